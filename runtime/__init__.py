@@ -1,0 +1,1 @@
+"""Serving runtime: KV manager, scheduler, Llama-family executor, offline API."""

@@ -1,0 +1,1 @@
+"""Back ends that turn generated sources into callable kernels."""

@@ -1,0 +1,1 @@
+"""AscendC target: generated kernels, verified on the CPU through a clean-room emulator."""

@@ -1,0 +1,1 @@
+"""CUDA target: nvcc build of generated sources, cffi launchers on torch streams."""

@@ -1,0 +1,1 @@
+"""Jinja templates (data): cuda/*.cu.j2, ascend/*.cpp.j2."""

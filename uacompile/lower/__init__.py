@@ -1,0 +1,1 @@
+"""Lowerings of the IR: TVM (LLVM CPU + CUDA source)."""

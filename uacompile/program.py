@@ -1,0 +1,162 @@
+"""A Program is a networkx DiGraph of op nodes and tensor nodes.
+
+Edges go tensor -> op for inputs and op -> tensor for outputs (an inout tensor has both;
+the op then produces a new version named `name@op_id`). Passes are plain functions
+Program -> Program.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from .errors import IRError
+from .ir import MergeState, OpSpec, PagedAttention, TensorSpec
+
+
+@dataclass
+class Program:
+    graph: nx.DiGraph = field(default_factory=nx.DiGraph)
+    hints: dict = field(default_factory=dict)  # e.g. {"max_kv_len": 32768, "num_sms": 132}
+    _count: int = 0
+
+    def add_tensor(self, name: str, dtype: str, shape) -> str:
+        if name in self.graph:
+            raise IRError(f"tensor {name}", "is defined twice")
+        self.graph.add_node(name, kind="tensor", spec=TensorSpec(name, dtype, tuple(shape)))
+        return name
+
+    def add_op(self, op: OpSpec, **bind: str) -> str:
+        """Add op with its tensor params bound to tensor names; missing outputs are created."""
+        op_id = f"{op.kind}_{self._count}"
+        self._count += 1
+        self.graph.add_node(op_id, kind="op", spec=op, bind=dict(bind))
+        sym = {}  # the op's symbolic dims -> the bound tensors' dims, to shape created outputs
+        for p in op.tensors():
+            if bind.get(p.name) in self.graph:
+                for want, got in zip(p.shape, self.tensor(bind[p.name]).shape):
+                    sym.setdefault(want, got)
+        for p in op.tensors():
+            name = bind.get(p.name)
+            if name is None:
+                if p.role == "in":
+                    raise IRError(f"{op_id}.{p.name}", "input is not bound to a tensor")
+                name = bind[p.name] = f"{p.name}_{op_id}"
+                self.add_tensor(name, p.dtype, [sym.get(d, d) for d in p.shape])
+            elif name not in self.graph:
+                raise IRError(f"{op_id}.{p.name}", f"tensor {name!r} does not exist")
+            if p.role in ("in", "inout"):
+                self.graph.add_edge(name, op_id, param=p.name)
+            if p.role in ("out", "inout"):
+                self.graph.add_edge(op_id, name, param=p.name)
+        self.graph.nodes[op_id]["bind"] = dict(bind)
+        return op_id
+
+    def ops(self) -> list[str]:
+        """Op ids in a topological order."""
+        return [n for n in nx.topological_sort(self.graph) if self.graph.nodes[n]["kind"] == "op"]
+
+    def op(self, op_id: str) -> OpSpec:
+        return self.graph.nodes[op_id]["spec"]
+
+    def tensor(self, name: str) -> TensorSpec:
+        return self.graph.nodes[name]["spec"]
+
+
+def validate(prog: Program) -> Program:
+    """Every op's bound tensors agree in dtype and static dims; the graph is acyclic;
+    every tensor has at most one writer besides inout updates."""
+    g = prog.graph
+    if not nx.is_directed_acyclic_graph(g):
+        raise IRError("program", f"has a cycle: {nx.find_cycle(g)}")
+    for op_id in (n for n in g if g.nodes[n]["kind"] == "op"):
+        op, bind = g.nodes[op_id]["spec"], g.nodes[op_id]["bind"]
+        sym: dict[str, int | str] = {}
+        for p in op.tensors():
+            if p.name not in bind:
+                if p.role == "in":
+                    raise IRError(f"{op_id}.{p.name}", "input is not bound to a tensor")
+                continue
+            t = prog.tensor(bind[p.name])
+            if t.dtype != p.dtype:
+                raise IRError(f"{op_id}.{p.name}.dtype", f"op needs {p.dtype}, tensor {t.name} is {t.dtype}")
+            if len(t.shape) != len(p.shape):
+                raise IRError(f"{op_id}.{p.name}.shape", f"op needs rank {len(p.shape)}, tensor {t.name} has {t.shape}")
+            for want, got in zip(p.shape, t.shape):
+                if isinstance(want, int):
+                    if isinstance(got, int) and got != want:
+                        raise IRError(f"{op_id}.{p.name}.shape", f"op needs {p.shape}, tensor {t.name} has {t.shape}")
+                elif sym.setdefault(want, got) != got:
+                    raise IRError(f"{op_id}.{p.name}.shape",
+                                  f"dim {want} is {sym[want]} elsewhere but {got} in tensor {t.name}")
+    for t in (n for n in g if g.nodes[n]["kind"] == "tensor"):
+        writers = [u for u in g.predecessors(t) if not g.has_edge(t, u)]
+        if len(writers) > 1:
+            raise IRError(f"tensor {t}", f"is written by several ops: {writers}")
+    return prog
+
+
+def choose_num_splits(num_ctas_per_token: int, max_kv_len: int, num_sms: int, page_size: int,
+                      min_chunk: int = 256, max_splits: int = 64) -> int:
+    """Occupancy rule: split until the grid fills the GPU, never below min_chunk positions."""
+    splits = 1
+    while (num_ctas_per_token * splits < 2 * num_sms and splits < max_splits
+           and max_kv_len / (2 * splits) >= max(min_chunk, page_size)):
+        splits *= 2
+    return splits
+
+
+def split_kv(prog: Program) -> Program:
+    """Rewrite long-context decode attention into split-KV partials + merge_state.
+
+    Needs hints max_kv_len, num_tokens (the batch's expected token count) and num_sms;
+    a paged_attention whose grid already fills the GPU is left alone.
+    """
+    h = prog.hints
+    for op_id in prog.ops():
+        op = prog.op(op_id)
+        if not isinstance(op, PagedAttention) or op.num_splits > 1:
+            continue
+        ctas = h.get("num_tokens", 1) * op.num_kv_heads
+        splits = choose_num_splits(ctas, h.get("max_kv_len", 0), h.get("num_sms", 132), op.page_size)
+        if splits == 1:
+            continue
+        bind = dict(prog.graph.nodes[op_id]["bind"])
+        out, lse = bind.pop("out"), bind.pop("lse", None)
+        prog.graph.remove_node(op_id)
+        part = prog.add_op(op.replace(num_splits=splits, return_lse=False), **bind)
+        pb = prog.graph.nodes[part]["bind"]
+        merge = MergeState(op.num_q_heads, op.head_dim, splits, op.q_dtype, return_lse=lse is not None)
+        prog.add_op(merge, o_partial=pb["o_partial"], lse_partial=pb["lse_partial"], out=out,
+                    **({"lse": lse} if lse else {}))
+    return prog
+
+
+def dead_op_elimination(prog: Program, outputs: list[str]) -> Program:
+    """Drop ops none of whose outputs reach one of `outputs`."""
+    g = prog.graph
+    live = set(outputs)
+    for o in outputs:
+        live |= nx.ancestors(g, o)
+    g.remove_nodes_from([n for n in list(g) if n not in live])
+    return prog
+
+
+def run_reference(prog: Program, arrays: dict) -> dict:
+    """Execute a program with the numpy reference; arrays maps tensor names to values."""
+    from . import reference
+
+    env = dict(arrays)
+    for op_id in prog.ops():
+        op, bind = prog.op(op_id), prog.graph.nodes[op_id]["bind"]
+        args = {p.name: env[bind[p.name]] for p in op.tensors() if p.role != "out" and p.name in bind}
+        if op.kind in ("paged_attention", "merge_state"):
+            res = getattr(reference, op.kind)(op, **args)
+            names = ("o_partial", "lse_partial") if getattr(op, "num_splits", 1) > 1 and op.kind == "paged_attention" \
+                else ("out", "lse")
+            for n, v in zip(names, res):
+                if n in bind:
+                    env[bind[n]] = v
+        else:
+            getattr(reference, op.kind)(op, **args)
+    return env

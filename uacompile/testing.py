@@ -1,0 +1,137 @@
+"""Random inputs for every op, shared by the tests of every lowering (TVM, CUDA, AscendC).
+
+All arrays are numpy, keyed by the op's parameter names (ir.OpSpec.params()); sizes
+are included as ints. Page tables are scattered and non-monotonic; entries past a
+sequence's pages are -1 (kernels must never read them). Outputs are not included:
+callers allocate and poison them.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import reference
+from .ir import CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, numpy_dtype
+
+
+def random_floats(rng, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(numpy_dtype(dtype))
+
+
+def random_cache(rng, shape, kv_dtype: str, scale: float = 1.0):
+    """A KV cache full of data (never zeros) and, when quantised, its scales."""
+    if kv_dtype in ("int8", "fp8_e4m3"):
+        return reference.quantize(rng.standard_normal(shape).astype(np.float32) * scale, kv_dtype)
+    return random_floats(rng, shape, kv_dtype, scale), None
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The ALiBi paper's geometric slopes (for a power-of-two head count)."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    base = [2 ** (-8 * (i + 1) / n) for i in range(n)]
+    extra = [2 ** (-4 * (2 * i + 1) / n) for i in range(num_heads - n)]
+    return np.array(base + extra, dtype=np.float32)
+
+
+def scattered_page_table(rng, kv_lens, page_size: int, extra_pages: int = 3):
+    """Each sequence gets ceil(len/P) distinct pages drawn from a shuffled pool."""
+    need = [max(1, -(-int(n) // page_size)) for n in kv_lens]
+    num_pages = sum(need) + extra_pages
+    pool = rng.permutation(num_pages)
+    table = np.full((len(kv_lens), max(need)), -1, dtype=np.int32)
+    at = 0
+    for s, n in enumerate(need):
+        table[s, :n] = pool[at:at + n]
+        at += n
+    return table, num_pages
+
+
+def ubatch(kv_lens, q_lens):
+    """token_seq and token_kv_len for a mixed ubatch: sequence s contributes q_lens[s]
+    query tokens, the last chunk of its kv_lens[s] positions (q_len 1 = decode)."""
+    token_seq, token_kv_len = [], []
+    for s, (L, n) in enumerate(zip(kv_lens, q_lens)):
+        assert 1 <= n <= L, (n, L)
+        token_seq += [s] * n
+        token_kv_len += list(range(L - n + 1, L + 1))
+    return np.array(token_seq, np.int32), np.array(token_kv_len, np.int32)
+
+
+def attention_inputs(op: PagedAttention, rng, kv_lens, q_lens=None) -> dict:
+    q_lens = q_lens or [1] * len(kv_lens)
+    token_seq, token_kv_len = ubatch(kv_lens, q_lens)
+    table, num_pages = scattered_page_table(rng, kv_lens, op.page_size)
+    T, Hkv, D, P = len(token_seq), op.num_kv_heads, op.head_dim, op.page_size
+    k, ks = random_cache(rng, (num_pages, P, Hkv, D), op.kv_dtype)
+    v, vs = random_cache(rng, (num_pages, P, Hkv, D), op.kv_dtype)
+    d = dict(q=random_floats(rng, (T, op.num_q_heads, D), op.q_dtype), k_cache=k, v_cache=v,
+             token_seq=token_seq, page_table=table, token_kv_len=token_kv_len,
+             num_tokens=T, num_seqs=len(kv_lens), max_pages=table.shape[1], num_pages=num_pages)
+    if op.quantized:
+        d.update(k_scale=ks, v_scale=vs)
+    if op.alibi:
+        d["alibi_slopes"] = alibi_slopes(op.num_q_heads)
+    return d
+
+
+def reshape_and_cache_inputs(op: ReshapeAndCache, rng, num_tokens: int, num_pages: int, skip_every: int = 5) -> dict:
+    """Distinct random slots; every skip_every-th token is padding (slot -1)."""
+    P, Hkv, D = op.page_size, op.num_kv_heads, op.head_dim
+    slots = rng.choice(num_pages * P, size=num_tokens, replace=False).astype(np.int64)
+    if skip_every:
+        slots[::skip_every] = -1
+    kc, ksc = random_cache(rng, (num_pages, P, Hkv, D), op.kv_dtype)
+    vc, vsc = random_cache(rng, (num_pages, P, Hkv, D), op.kv_dtype)
+    d = dict(k=random_floats(rng, (num_tokens, Hkv, D), op.dtype), v=random_floats(rng, (num_tokens, Hkv, D), op.dtype),
+             slot_mapping=slots, k_cache=kc, v_cache=vc, num_tokens=num_tokens, num_pages=num_pages)
+    if op.rope:
+        d["positions"] = rng.integers(0, 4096, size=num_tokens).astype(np.int64)
+    if op.quantized:
+        d.update(k_scale=ksc, v_scale=vsc)
+    return d
+
+
+def block_mapping(rng, num_pages: int, num_pairs: int) -> np.ndarray:
+    """(src, dst) pairs with distinct destinations that are never also sources."""
+    perm = rng.permutation(num_pages)
+    return np.stack([perm[:num_pairs], perm[num_pairs:2 * num_pairs]], axis=1).astype(np.int64)
+
+
+def copy_blocks_inputs(op: CopyBlocks, rng, num_layers: int, num_pages: int, num_pairs: int) -> dict:
+    P, Hkv, D = op.page_size, op.num_kv_heads, op.head_dim
+    kv, scales = random_cache(rng, (num_layers, 2, num_pages, P, Hkv, D), op.kv_dtype)
+    d = dict(kv=kv, mapping=block_mapping(rng, num_pages, num_pairs),
+             num_layers=num_layers, num_pages=num_pages, num_pairs=num_pairs)
+    if op.quantized:
+        d["scales"] = scales
+    return d
+
+
+def swap_blocks_inputs(op: SwapBlocks, rng, num_layers: int, num_src_pages: int, num_dst_pages: int, num_pairs: int) -> dict:
+    P, Hkv, D = op.page_size, op.num_kv_heads, op.head_dim
+    src, ss = random_cache(rng, (num_layers, 2, num_src_pages, P, Hkv, D), op.kv_dtype)
+    dst, ds = random_cache(rng, (num_layers, 2, num_dst_pages, P, Hkv, D), op.kv_dtype)
+    mapping = np.stack([rng.choice(num_src_pages, num_pairs, replace=False),
+                        rng.choice(num_dst_pages, num_pairs, replace=False)], axis=1).astype(np.int64)
+    d = dict(src=src, dst=dst, mapping=mapping, num_layers=num_layers, num_src_pages=num_src_pages,
+             num_dst_pages=num_dst_pages, num_pairs=num_pairs)
+    if op.quantized:
+        d.update(src_scales=ss, dst_scales=ds)
+    return d
+
+
+def merge_state_inputs(op: MergeState, rng, num_tokens: int, empty_fraction: float = 0.2) -> dict:
+    S, H, D = op.num_splits, op.num_heads, op.head_dim
+    lse = (rng.standard_normal((S, num_tokens, H)) * 3).astype(np.float32)
+    empty = rng.random((S, num_tokens, H)) < empty_fraction
+    lse[empty] = -np.inf
+    o = rng.standard_normal((S, num_tokens, H, D)).astype(np.float32)
+    o[empty] = 0
+    return dict(o_partial=o, lse_partial=lse, num_tokens=num_tokens)
+
+
+def tolerance(dtype: str, kv_dtype: str | None = None) -> float:
+    """Absolute tolerance on attention outputs of unit-variance data."""
+    tol = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 1.6e-2}[dtype]
+    return max(tol, {"int8": 3e-2, "fp8_e4m3": 1.2e-1}.get(kv_dtype, 0.0))
