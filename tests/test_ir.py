@@ -1,0 +1,160 @@
+import cffi
+import numpy as np
+import pytest
+
+from uacompile import IRError, reference as R, testing as U
+from uacompile.ir import (OPS, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, TensorSpec,
+                          c_signature, cffi_cdef, describe, op_from_dict)
+from uacompile.program import Program, choose_num_splits, dead_op_elimination, run_reference, split_kv, validate
+
+EXAMPLES = [PagedAttention(32, 8, 128, 16, "bf16", "bf16"), PagedAttention(8, 4, 8, 16, "fp32", "fp32"),
+            PagedAttention(8, 2, 64, 16, "fp16", "int8", alibi=True, num_splits=4),
+            ReshapeAndCache(8, 128, 16, "bf16", "fp8_e4m3", rope=True), CopyBlocks(8, 128, 16, "int8"),
+            SwapBlocks(8, 128, 16, "bf16"), MergeState(32, 128, 8, "bf16", return_lse=True)]
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(num_q_heads=32, num_kv_heads=5, head_dim=128), "paged_attention.num_q_heads"),
+    (dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=12), "paged_attention.page_size"),
+    (dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=512), "paged_attention.page_size"),
+    (dict(num_q_heads=-1, num_kv_heads=8, head_dim=128), "paged_attention.num_q_heads"),
+    (dict(num_q_heads=8, num_kv_heads=8, head_dim=0), "paged_attention.head_dim"),
+    (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, q_dtype="int8"), "paged_attention.q_dtype"),
+    (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, q_dtype="fp16", kv_dtype="bf16"), "paged_attention.kv_dtype"),
+    (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, window=-3), "paged_attention.window"),
+    (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, softcap=float("nan")), "paged_attention.softcap"),
+    (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, scale=0.0), "paged_attention.scale"),
+    (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, variant="dense"), "paged_attention.variant"),
+    (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, num_splits=0), "paged_attention.num_splits"),
+])
+def test_invalid_attention_names_field(kwargs, field):
+    with pytest.raises(IRError) as e:
+        PagedAttention(**kwargs)
+    assert e.value.field == field and field in str(e.value)
+
+
+def test_invalid_cache_ops_name_field():
+    with pytest.raises(IRError, match=r"reshape_and_cache.head_dim.*even"):
+        ReshapeAndCache(8, 7, 16, "fp16", "fp16", rope=True)
+    with pytest.raises(IRError, match=r"reshape_and_cache.kv_dtype"):
+        ReshapeAndCache(8, 64, 16, "fp16", "bf16")
+    with pytest.raises(IRError, match=r"copy_blocks.kv_dtype"):
+        CopyBlocks(8, 64, 16, "fp64")
+    with pytest.raises(IRError, match=r"swap_blocks.page_size"):
+        SwapBlocks(8, 64, 3)
+    with pytest.raises(IRError, match=r"x.dtype"):
+        TensorSpec("x", "float99", (1,))
+    with pytest.raises(IRError, match=r"x.shape"):
+        TensorSpec("x", "fp16", (-1,))
+
+
+@pytest.mark.parametrize("op", EXAMPLES, ids=lambda o: o.kind)
+def test_dict_roundtrip_key_and_abi(op):
+    assert op_from_dict(op.to_dict()) == op
+    assert op_from_dict(op.to_dict()).key() == op.key()
+    assert op.symbol().startswith(f"ua_{op.kind}_")
+    ffi = cffi.FFI()
+    ffi.cdef(cffi_cdef(op))  # the declaration the loader uses parses
+    sig = c_signature(op)
+    assert sig.count("void*") == len(op.tensors()) and sig.count("int64_t") == len(op.sizes())
+    assert sig.endswith("cudaStream_t stream)")
+    assert f"`{op.params()[0].name}`" in describe(op)
+
+
+def test_keys_differ_between_variants():
+    keys = {op.key() for op in EXAMPLES}
+    assert len(keys) == len(EXAMPLES)
+    assert PagedAttention(8, 8, 64).key() != PagedAttention(8, 8, 64, window=4).key()
+
+
+def test_op_from_dict_rejects_unknown():
+    with pytest.raises(IRError, match="op"):
+        op_from_dict({"op": "conv2d"})
+    with pytest.raises(IRError, match="paged_attention.heads"):
+        op_from_dict({"op": "paged_attention", "heads": 3})
+    assert set(OPS) == {"paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks", "merge_state"}
+
+
+def test_params_follow_options():
+    names = lambda op: [p.name for p in op.params()]  # noqa: E731
+    assert "k_scale" in names(PagedAttention(8, 8, 64, kv_dtype="int8"))
+    assert "k_scale" not in names(PagedAttention(8, 8, 64))
+    assert "alibi_slopes" in names(PagedAttention(8, 8, 64, alibi=True))
+    assert names(PagedAttention(8, 8, 64, num_splits=2))[-6:-4] == ["o_partial", "lse_partial"]
+    assert "lse" in names(PagedAttention(8, 8, 64, return_lse=True))
+    assert "positions" in names(ReshapeAndCache(8, 64, rope=True))
+
+
+def attention_program(hints, window=0):
+    p = Program(hints=hints)
+    for n, dt, s in [("q", "bf16", ("T", 32, 128)), ("kc", "bf16", ("N", 16, 8, 128)), ("vc", "bf16", ("N", 16, 8, 128)),
+                     ("ts", "int32", ("T",)), ("pt", "int32", ("S", "M")), ("tl", "int32", ("T",))]:
+        p.add_tensor(n, dt, s)
+    p.add_tensor("o", "bf16", ("T", 32, 128))
+    p.add_op(PagedAttention(32, 8, 128, 16, "bf16", "bf16", window=window), q="q", k_cache="kc", v_cache="vc",
+             token_seq="ts", page_table="pt", token_kv_len="tl", out="o")
+    return validate(p)
+
+
+def test_validate_rejects_mismatches():
+    p = attention_program({})
+    p.add_tensor("bad_q", "fp16", ("T", 32, 128))
+    with pytest.raises(IRError, match=r"\.q\.dtype"):
+        p.add_op(PagedAttention(32, 8, 128, 16, "bf16", "bf16"), q="bad_q", k_cache="kc", v_cache="vc",
+                 token_seq="ts", page_table="pt", token_kv_len="tl")
+        validate(p)
+    p = attention_program({})
+    p.add_tensor("q2", "bf16", ("T", 16, 128))
+    p.add_op(PagedAttention(32, 8, 128, 16, "bf16", "bf16"), q="q2", k_cache="kc", v_cache="vc",
+             token_seq="ts", page_table="pt", token_kv_len="tl")
+    with pytest.raises(IRError, match=r"\.q\.shape"):
+        validate(p)
+    with pytest.raises(IRError, match="not bound"):
+        attention_program({}).add_op(MergeState(32, 128, 2), out="o")
+    with pytest.raises(IRError, match="written by several ops"):
+        p = attention_program({})
+        p.add_op(PagedAttention(32, 8, 128, 16, "bf16", "bf16"), q="q", k_cache="kc", v_cache="vc",
+                 token_seq="ts", page_table="pt", token_kv_len="tl", out="o")
+        validate(p)
+
+
+def test_split_kv_pass_rewrites_long_decode_only():
+    long = split_kv(attention_program({"max_kv_len": 32768, "num_tokens": 1, "num_sms": 132}))
+    kinds = [long.op(o).kind for o in long.ops()]
+    assert kinds == ["paged_attention", "merge_state"]
+    assert long.op(long.ops()[0]).num_splits > 1
+    validate(long)
+    short = split_kv(attention_program({"max_kv_len": 512, "num_tokens": 128}))
+    assert [short.op(o).num_splits for o in short.ops()] == [1]
+
+
+def test_choose_num_splits_fills_the_gpu():
+    assert choose_num_splits(8, 32768, 132, 16) >= 32  # 1 seq x 8 kv heads: split until ~2 waves
+    assert choose_num_splits(64 * 8, 4096, 132, 16) == 1  # 512 CTAs already fill 132 SMs twice
+    assert choose_num_splits(8, 256, 132, 16) == 1  # too short to split
+
+
+def test_split_program_computes_the_same_as_unsplit(rng):
+    # a small program whose split rewrite is exercised end to end with the reference executor
+    op = PagedAttention(4, 2, 8, 4, "fp32", "fp32")
+    d = U.attention_inputs(op, rng, [1000], [1])
+    p = Program(hints={"max_kv_len": 1000, "num_tokens": 1, "num_sms": 4})
+    for n in ("q", "k_cache", "v_cache", "token_seq", "page_table", "token_kv_len"):
+        p.add_tensor(n, "int32" if n in ("token_seq", "page_table", "token_kv_len") else "fp32", d[n].shape)
+    p.add_tensor("out", "fp32", d["q"].shape)
+    p.add_op(op, **{n: n for n in ("q", "k_cache", "v_cache", "token_seq", "page_table", "token_kv_len", "out")})
+    arrays = {k: v for k, v in d.items() if isinstance(v, np.ndarray)}
+    want = run_reference(p, arrays)["out"]
+    split_kv(p)
+    assert len(p.ops()) == 2
+    np.testing.assert_allclose(run_reference(p, arrays)["out"], want, atol=1e-12)
+    np.testing.assert_allclose(want, R.paged_attention(op, **arrays)[0], atol=0)
+
+
+def test_dead_op_elimination_drops_unused_ops():
+    p = attention_program({})
+    p.add_tensor("kv", "fp16", ("L", 2, "N", 16, 8, 128))
+    p.add_tensor("map", "int64", ("K", 2))
+    p.add_op(CopyBlocks(8, 128, 16, "fp16"), kv="kv", mapping="map")
+    dead_op_elimination(p, ["o"])
+    assert [p.op(o).kind for o in p.ops()] == ["paged_attention"]

@@ -1,0 +1,48 @@
+"""Users import one package, uacompile: both a regular and an editable install expose
+every subpackage (the folders of the design card are mapped into it by setup.cfg)."""
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBPACKAGES = ["uacompile", "uacompile.lower", "uacompile.runtime", "uacompile.targets", "uacompile.targets.cuda",
+               "uacompile.targets.ascend", "uacompile.templates"]
+PROBE = ("import importlib, json, sys; "
+         f"mods = {SUBPACKAGES!r}; "
+         "print(json.dumps({m: importlib.import_module(m).__file__ for m in mods}))")
+
+
+def _import_all(cwd, env_path=None):
+    env = {"PATH": "/usr/bin:/bin"}
+    if env_path:
+        env["PYTHONPATH"] = env_path
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return {m: Path(f) for m, f in json.loads(out.stdout).items()}
+
+
+def test_regular_install_imports_every_subpackage(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True, timeout=300)
+    wheel = next((tmp_path / "dist").glob("uacompile-*.whl"))
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    files = _import_all(tmp_path, str(site))
+    for m, f in files.items():
+        assert site in f.parents, (m, f)
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(n.startswith("uacompile/templates/cuda/") and n.endswith(".j2") for n in names), "CUDA templates missing"
+    assert any(n.startswith("uacompile/templates/ascend/") and n.endswith(".j2") for n in names), "Ascend templates missing"
+    assert any(n.startswith("uacompile/runtime/") for n in names)
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "uacompile = uacompile.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_editable_install_maps_folders_into_the_package(tmp_path):
+    files = _import_all(tmp_path)  # the test environment is the editable install of .ci/run
+    assert files["uacompile.runtime"] == ROOT / "runtime" / "__init__.py"
+    assert files["uacompile.targets.cuda"] == ROOT / "targets" / "cuda" / "__init__.py"
+    assert files["uacompile.targets.ascend"] == ROOT / "targets" / "ascend" / "__init__.py"
+    assert files["uacompile.templates"] == ROOT / "templates" / "__init__.py"

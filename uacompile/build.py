@@ -1,0 +1,121 @@
+"""Kernel sets: presets of op variants, the lowering registry, and the build manifest.
+
+A lowering is a function `(op, out_dir) -> dict` that writes the kernel's source (and
+library, where the toolchain is present) and returns at least `source`, `library` (a
+path or None) and, when library is None, `reason`. Each is imported lazily, so TVM,
+nvcc or g++ are only needed for the targets asked for.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .ir import CopyBlocks, MergeState, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+    decode_splits: int = 8  # split-KV partial variant + its merge_state
+
+    def ops(self) -> list[OpSpec]:
+        Hq, Hkv, D, P, dt = self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype
+        return [
+            PagedAttention(Hq, Hkv, D, P, dt, dt),
+            PagedAttention(Hq, Hkv, D, P, dt, dt, num_splits=self.decode_splits),
+            MergeState(Hq, D, self.decode_splits, dt),
+            ReshapeAndCache(Hkv, D, P, dt, dt),
+            CopyBlocks(Hkv, D, P, dt),
+            SwapBlocks(Hkv, D, P, dt),
+        ]
+
+
+MODELS = {
+    # Llama-3-8B and Qwen3-8B share the attention shape
+    "llama3-8b": ModelShape("llama3-8b", 32, 8, 128, 16, "bf16"),
+    "stories260k": ModelShape("stories260k", 8, 4, 8, 16, "fp32", decode_splits=2),
+}
+PRESETS = {
+    "default": ["llama3-8b", "stories260k"],
+    "llama3-8b": ["llama3-8b"],
+    "tiny": ["stories260k"],
+}
+TARGETS = ("cpu", "cuda", "ascend")
+DEFAULT_TARGETS = ("cpu", "cuda")  # `--target all` adds ascend
+
+# (target, lowering) -> "module:function"
+LOWERINGS = {
+    ("cpu", "tvm"): "uacompile.lower.tvm_build:build_cpu_artifact",
+    ("cuda", "tvm"): "uacompile.lower.tvm_build:build_cuda_artifact",
+    ("cuda", "jinja"): "uacompile.targets.cuda.build:build_artifact",
+    ("ascend", "jinja"): "uacompile.targets.ascend.build:build_and_verify",
+}
+
+
+def lowerings_for(target: str) -> list[str]:
+    return [low for (t, low) in LOWERINGS if t == target]
+
+
+def preset_ops(preset: str) -> list[OpSpec]:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    ops: list[OpSpec] = []
+    for model in PRESETS[preset]:
+        ops += [op for op in MODELS[model].ops() if op not in ops]
+    return ops
+
+
+def _lowering(target: str, lowering: str):
+    mod, fn = LOWERINGS[(target, lowering)].split(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def build_one(op: OpSpec, target: str, lowering: str, out_dir: Path) -> dict:
+    """Build one kernel; never raises for a missing toolchain: the entry says why instead."""
+    entry = {"op": op.kind, "target": target, "lowering": lowering, "params": op.to_dict(),
+             "symbol": op.symbol(), "hash": op.key()}
+    t0 = time.perf_counter()
+    try:
+        res = _lowering(target, lowering)(op, out_dir)
+    except ImportError as e:  # the toolchain's Python package is not installed
+        res = {"source": None, "library": None, "reason": f"{type(e).__name__}: {e}"}
+    except NotImplementedError as e:  # this lowering has no kernel for the variant
+        res = {"source": None, "library": None, "reason": f"not supported: {e}"}
+    entry.update(res)
+    entry.setdefault("reason", None)
+    entry["build_s"] = round(time.perf_counter() - t0, 3)
+    for k in ("source", "library"):
+        if entry.get(k) is not None:
+            entry[k] = str(entry[k])
+    return entry
+
+
+def build_set(ops: list[OpSpec], targets, out_dir: Path, progress: bool = True) -> dict:
+    """Build every op for every target and lowering; write and return out_dir/manifest.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jobs = [(op, t, low) for t in targets for low in lowerings_for(t) for op in ops]
+    from tqdm import tqdm
+
+    entries = []
+    bar = tqdm(jobs, unit="kernel", disable=not progress, dynamic_ncols=True)
+    for op, t, low in bar:
+        bar.set_description(f"{t}/{low} {op.kind}")
+        entries.append(build_one(op, t, low, out_dir / t / low))
+    manifest = {"uacompile": _version(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "targets": list(targets), "kernels": entries}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__

@@ -1,0 +1,129 @@
+"""`uacompile` command line: build kernel sets, generate one kernel's source, show op docs."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import IRError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump or traceback
+        self.exit(2, f"uacompile: error: {message}\n")
+
+
+def _value(text: str):
+    """--set values: JSON scalars (3, 0.5, true, null) or bare strings (bf16)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _parse_sets(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, val = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value, got {pair!r}")
+        out[key] = _value(val)
+    return out
+
+
+def cmd_build(args) -> int:
+    from .build import DEFAULT_TARGETS, TARGETS, build_set, preset_ops
+
+    targets = {"all": TARGETS, None: DEFAULT_TARGETS}.get(args.target, (args.target,))
+    manifest = build_set(preset_ops(args.preset), targets, Path(args.out), progress=not args.quiet)
+    built = sum(e["library"] is not None for e in manifest["kernels"])
+    print(f"{built}/{len(manifest['kernels'])} kernels built -> {Path(args.out) / 'manifest.json'}")
+    for e in manifest["kernels"]:
+        if e["library"] is None:
+            print(f"  not built: {e['target']}/{e['lowering']} {e['op']}: {e['reason']}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .build import LOWERINGS, lowerings_for
+    from .ir import op_from_dict
+
+    op = op_from_dict({"op": args.op, **_parse_sets(args.set)})
+    lowering = args.lowering or lowerings_for(args.target)[-1]
+    if (args.target, lowering) not in LOWERINGS:
+        raise ValueError(f"no lowering {lowering!r} for target {args.target!r}; have {lowerings_for(args.target)}")
+    from .build import build_one
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        entry = build_one(op, args.target, lowering, Path(tmp))
+        if entry["source"] is None:
+            raise ValueError(f"cannot generate {args.op} for {args.target}/{lowering}: {entry['reason']}")
+        text = Path(entry["source"]).read_text()
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out} ({entry['symbol']})", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_ops(args) -> int:
+    from .ir import OPS, describe, reference_doc
+
+    if args.markdown:
+        print(reference_doc())
+        return 0
+    for cls in OPS.values():
+        print((cls.__doc__ or "").strip().splitlines()[0])
+    if args.op:
+        from .ir import op_from_dict
+
+        print(describe(op_from_dict({"op": args.op, **_parse_sets(args.set)})))
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from .build import PRESETS, TARGETS
+    from .ir import OPS
+
+    p = _Parser(prog="uacompile", description="Kernel compiler for paged attention and cache ops.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    b = sub.add_parser("build", help="build a preset kernel set and write DIR/manifest.json")
+    b.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    b.add_argument("--target", choices=[*TARGETS, "all"], default=None,
+                   help="default: cpu and cuda; all adds ascend")
+    b.add_argument("--out", default="uacompile-build")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_build)
+    g = sub.add_parser("generate", help="write one kernel's source")
+    g.add_argument("--op", required=True, choices=sorted(OPS))
+    g.add_argument("--target", required=True, choices=TARGETS)
+    g.add_argument("--lowering", choices=["tvm", "jinja"], default=None)
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="op field, e.g. head_dim=128")
+    g.add_argument("--out", default=None, help="file (default: stdout)")
+    g.set_defaults(func=cmd_generate)
+    o = sub.add_parser("ops", help="list ops, or show one variant's parameters")
+    o.add_argument("--op", choices=sorted(OPS))
+    o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    o.add_argument("--markdown", action="store_true", help="print docs/OPS.md")
+    o.set_defaults(func=cmd_ops)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (IRError, ValueError, TypeError) as e:
+        print(f"uacompile: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
