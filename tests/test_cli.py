@@ -56,3 +56,10 @@ def test_build_tiny_preset_writes_a_complete_manifest(tmp_path):
         assert set(e) >= {"op", "target", "params", "source", "library", "hash"}
         assert e["library"] is not None and Path(e["library"]).exists(), e
         assert Path(e["source"]).exists()
+
+
+def test_readme_python_example_runs():
+    import re
+
+    code = re.search(r"## In Python\n\n```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})

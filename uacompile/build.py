@@ -53,8 +53,8 @@ DEFAULT_TARGETS = ("cpu", "cuda")  # `--target all` adds ascend
 
 # (target, lowering) -> "module:function"
 LOWERINGS = {
-    ("cpu", "tvm"): "uacompile.lower.tvm_build:build_cpu_artifact",
-    ("cuda", "tvm"): "uacompile.lower.tvm_build:build_cuda_artifact",
+    ("cpu", "tvm"): "uacompile.build:tvm_cpu_artifact",
+    ("cuda", "tvm"): "uacompile.build:tvm_cuda_artifact",
     ("cuda", "jinja"): "uacompile.targets.cuda.build:build_artifact",
     ("ascend", "jinja"): "uacompile.targets.ascend.build:build_and_verify",
 }
@@ -113,6 +113,36 @@ def build_set(ops: list[OpSpec], targets, out_dir: Path, progress: bool = True) 
                 "targets": list(targets), "kernels": entries}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def tvm_cpu_artifact(op: OpSpec, out_dir: Path) -> dict:
+    """TVM -> LLVM shared library (from the kernel cache) plus the TIR it was built from."""
+    import shutil
+
+    from .lower.tvm_build import CACHE_KIND, LIBRARY, build_cpu_library, cpu_cache_key
+    from .lower.tvm_kernels import prim_func
+    from .cache import cached_build
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    folder, hit = cached_build(CACHE_KIND, cpu_cache_key(op), lambda d: build_cpu_library(op, d))
+    lib, src = out_dir / f"{op.symbol()}.so", out_dir / f"{op.symbol()}.tir.py"
+    shutil.copyfile(folder / LIBRARY, lib)
+    src.write_text(prim_func(op, "cpu").script())
+    return {"source": src, "library": lib, "cached": hit}
+
+
+def tvm_cuda_artifact(op: OpSpec, out_dir: Path, arch: str = "sm_90") -> dict:
+    """TVM -> CUDA source + extern "C" launcher, compiled by nvcc when nvcc is on PATH."""
+    from .lower.tvm_cuda import NvccNotFound, build_cuda_library, cuda_source
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        lib = build_cuda_library(op, arch, out_dir)
+        return {"source": lib.with_suffix(".cu"), "library": lib, "arch": arch}
+    except NvccNotFound as e:
+        src = out_dir / f"{op.symbol()}_{arch}.cu"
+        src.write_text(cuda_source(op, arch))
+        return {"source": src, "library": None, "reason": str(e), "arch": arch}
 
 
 def _version() -> str:

@@ -1,1 +1,6 @@
-"""Lowerings of the IR: TVM (LLVM CPU + CUDA source)."""
+"""Lowerings of the IR: TVM (LLVM CPU + CUDA source). Nothing here imports tvm until used.
+
+- tvm_kernels.prim_func(op, "cpu" | "cuda"): the TIR of any op (params = op.params())
+- tvm_build.cpu_kernel(op): cached LLVM build -> callable(**tensors_and_sizes)
+- tvm_cuda.cuda_source(op, arch) / build_cuda_library(op, arch, out_dir): CUDA + extern "C" launcher
+"""

@@ -1,0 +1,301 @@
+"""Continuous batching: one rule — each sequence's computed tokens catch up with its tokens, under a
+token budget, decodes first (chunked prefill falls out of it) — plus admission policies and preemption.
+
+A step: schedule() -> executor runs batch.swap_out, batch.swap_in, batch.copies, then the forward
+pass -> update(batch, sampled). Stop conditions other than max_tokens are the engine's: it calls
+finish(seq, reason).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+from .kv_manager import KVManager
+from .sequence import Sequence, SequenceStatus
+
+POLICIES = ("fcfs", "sjf", "priority", "prefix")
+PREEMPTION_MODES = ("recompute", "swap")
+_child_ids = itertools.count(1 << 40)  # ids for forked children, far from the engine's own counter
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 256   # token budget of one step
+    max_num_seqs: int = 32              # sequences running at once (and per step)
+    max_prefill_chunk: int = 64         # most prompt tokens one sequence computes in one step
+    policy: str = "fcfs"                # fcfs | sjf | priority | prefix
+    preemption: str = "recompute"       # recompute | swap (falls back to recompute if the pool is full)
+    num_pages: int = 512
+    num_cpu_pages: int = 256
+    page_size: int = 16
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None    # default: whatever num_pages can hold
+
+    def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "num_pages", "page_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.num_cpu_pages, int) or self.num_cpu_pages < 0:
+            raise ValueError(f"num_cpu_pages must be an int >= 0, got {self.num_cpu_pages!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        capacity = self.num_pages * self.page_size
+        if self.max_model_len is None:
+            self.max_model_len = capacity
+        elif not isinstance(self.max_model_len, int) or not 1 <= self.max_model_len <= capacity:
+            raise ValueError(f"max_model_len must be in [1, num_pages * page_size = {capacity}], "
+                             f"got {self.max_model_len!r}")
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # seq i computes positions
+    # [seq.num_computed_tokens, + num_new_tokens[i]) this step
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device page, cpu page)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu page, device page)
+    copies: list[tuple[int, int]] = field(default_factory=list)    # (src page, dst page)
+    sample: list[bool] = field(default_factory=list)  # seq i reaches its last token: sample one
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.seqs or self.swap_out or self.swap_in or self.copies)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.kv = KVManager(config.num_pages, config.page_size, config.num_cpu_pages, config.enable_prefix_caching)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.parked: dict[int, list[Sequence]] = {}  # parent seq_id -> children waiting for its prompt
+        self.num_preemptions = 0
+        self.num_swap_outs = 0  # preemptions that went to the CPU pool (the rest recomputed)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def _all(self):
+        return itertools.chain(self.waiting, self.running, self.swapped, *self.parked.values())
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; ValueError if it could never run to max_tokens."""
+        c = self.config
+        longest = seq.num_prompt_tokens + seq.params.max_tokens - 1  # the last sampled token is never cached
+        if longest > c.max_model_len:
+            raise ValueError(f"request {seq.seq_id}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
+                             f"({seq.params.max_tokens}) needs {longest + 1} tokens of context, more than "
+                             f"max_model_len={c.max_model_len}")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"request {seq.seq_id}: only a fresh WAITING sequence can be added")
+        if any(s.seq_id == seq.seq_id for s in self._all()):
+            raise ValueError(f"request {seq.seq_id}: seq_id already in use")
+        self.waiting.append(seq)
+
+    def fork(self, seq: Sequence, n: int, child_ids: list[int] | None = None) -> list[Sequence]:
+        """n-way sampling: returns n - 1 children (seq is sample 0). Call it right after add(seq).
+        Children wait until seq's prompt is computed, then share its pages copy-on-write and each
+        recompute the last prompt token to draw its own first sample. A seeded parent's children
+        get seeds seed + 1, seed + 2, ..."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"fork: n must be an int >= 1, got {n!r}")
+        if seq.num_output_tokens or seq.status is SequenceStatus.FINISHED:
+            raise ValueError(f"fork: sequence {seq.seq_id} already produced output; fork it before it runs")
+        if child_ids is not None and len(child_ids) != n - 1:
+            raise ValueError(f"fork: child_ids must hold n - 1 = {n - 1} ids, got {len(child_ids)}")
+        ids = child_ids or [next(_child_ids) for _ in range(n - 1)]
+        children = []
+        for i, cid in enumerate(ids, 1):
+            params = replace(seq.params, n=1, seed=None if seq.params.seed is None else seq.params.seed + i)
+            children.append(Sequence(cid, seq.prompt_token_ids, seq.num_prompt_tokens, params, seq.priority,
+                                     seq.arrival_time, parent_id=seq.seq_id))
+        self.parked.setdefault(seq.seq_id, []).extend(children)  # update() releases them
+        return children
+
+    def _adopt_prompt(self, parent: Sequence, child: Sequence) -> None:
+        if parent.status is SequenceStatus.RUNNING and parent.num_computed_tokens >= child.num_prompt_tokens:
+            self.kv.fork(parent, child, self.kv.pages_for(child.num_prompt_tokens))
+            child.num_computed_tokens = child.num_prompt_tokens - 1
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:  # parent gone: the child computes its own prompt
+            self.waiting.append(child)
+
+    def finish(self, seq: Sequence, reason: str = "stop") -> None:
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        for children in self.parked.values():
+            if seq in children:
+                children.remove(seq)
+        for child in self.parked.pop(seq.seq_id, []):
+            self.waiting.append(child)
+        self.kv.release(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        seq = next((s for s in self._all() if s.seq_id == seq_id), None)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or any(self.parked.values()))
+
+    # ---- ordering -------------------------------------------------------------------------------
+    def _key(self, seq: Sequence):
+        if self.config.policy == "sjf":
+            return (seq.num_tokens - seq.num_computed_tokens, seq.arrival_time, seq.seq_id)
+        if self.config.policy == "priority":
+            return (seq.priority, seq.arrival_time, seq.seq_id)
+        return (seq.arrival_time, seq.seq_id)
+
+    def _ordered_waiting(self) -> list[Sequence]:
+        seqs = sorted(self.waiting, key=self._key)
+        if self.config.policy != "prefix":
+            return seqs
+        # prefix-aware: requests whose first page is equal go together, the group at its oldest member
+        first = {}
+        for s in seqs:
+            first.setdefault(self._group(s), self._key(s))
+        return sorted(seqs, key=lambda s: (first[self._group(s)], self._group(s) is None, self._key(s)))
+
+    def _group(self, seq: Sequence):
+        P = self.config.page_size
+        return tuple(seq.token_ids[:P]) if seq.num_prompt_tokens > P else None
+
+    def _victim(self, candidates: list[Sequence]) -> Sequence:
+        """Least important first: lowest priority (largest number), then latest arrival."""
+        return max(candidates, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
+
+    # ---- the step -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        c, kv, batch = self.config, self.kv, ScheduledBatch()
+        kv.end_step()  # the previous step ran (idempotent: update() already said so)
+        budget = c.max_num_batched_tokens
+
+        def take(seq, num_new, copies):
+            nonlocal budget
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            batch.sample.append(seq.num_computed_tokens + num_new == seq.num_tokens)
+            batch.copies.extend(copies)
+            budget -= num_new
+
+        # 1. running sequences, decodes first
+        decode_first = sorted(self.running, key=lambda s: (s.num_computed_tokens < s.num_prompt_tokens,
+                                                           self._key(s)))
+        preempted = False
+        for seq in decode_first:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            if budget == 0 or len(batch.seqs) >= c.max_num_seqs:
+                break
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, c.max_prefill_chunk)
+            while (copies := kv.allocate_slots(seq, num_new)) is None:
+                victim = self._victim([s for s in self.running if s not in batch.seqs])
+                self._preempt(victim, batch)
+                preempted = True
+                if victim is seq:
+                    break
+            if copies is not None:
+                take(seq, num_new, copies)
+
+        # 2. swapped sequences come back before any new prefill
+        while self.swapped and not preempted and budget and len(self.running) < c.max_num_seqs:
+            seq = min(self.swapped, key=self._key)
+            mapping = kv.swap_in(seq)
+            if mapping is None:
+                break
+            self.swapped.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.swap_in.extend(mapping)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, c.max_prefill_chunk)
+            if len(batch.seqs) < c.max_num_seqs and (copies := kv.allocate_slots(seq, num_new)) is not None:
+                take(seq, num_new, copies)
+
+        # 3. new (or recompute-preempted) requests
+        if not self.swapped and not preempted:
+            prefilling = {self._group(s) for s in self.running if s.num_computed_tokens < s.num_prompt_tokens}
+            for seq in self._ordered_waiting():
+                if budget == 0 or len(self.running) >= c.max_num_seqs or len(batch.seqs) >= c.max_num_seqs:
+                    break
+                group = self._group(seq)
+                if c.policy == "prefix" and group is not None and group in prefilling:
+                    continue  # its shared prefix is being computed: join next step and hit the cache
+                prefix = kv.match_prefix(seq)
+                num_cached = len(prefix) * c.page_size
+                num_new = min(seq.num_tokens - num_cached, budget, c.max_prefill_chunk)
+                copies = kv.allocate_slots(seq, num_new, prefix)
+                if copies is None:
+                    break  # head of line waits for pages; later arrivals do not jump it
+                kv.prefix_query_tokens += seq.num_tokens
+                kv.prefix_hit_tokens += num_cached
+                seq.num_computed_tokens = num_cached
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = num_cached
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                prefilling.add(group)
+                take(seq, num_new, copies)
+        return batch
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.config.preemption == "swap" and (mapping := self.kv.swap_out(seq)) is not None:
+            batch.swap_out.extend(mapping)
+            self.num_swap_outs += 1
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+        else:
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.append(seq)
+
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+        """Record the step: advance computed tokens, publish full pages, append sampled tokens, finish
+        sequences that hit max_tokens (reason "length"). Returns the sequences finished here."""
+        self.kv.end_step()
+        finished = []
+        for seq, num_new, wants_sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted between schedule and update
+            seq.num_computed_tokens += num_new
+            self.kv.register_full_pages(seq)
+            if seq.num_computed_tokens >= seq.num_prompt_tokens and seq.seq_id in self.parked:
+                for child in self.parked.pop(seq.seq_id):
+                    self._adopt_prompt(seq, child)
+            if not wants_sample:
+                continue
+            if seq.seq_id not in sampled:
+                raise ValueError(f"update: sequence {seq.seq_id} reached its last token but has no sampled token")
+            seq.append_token(sampled[seq.seq_id])
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                self.finish(seq, "length")
+                finished.append(seq)
+        return finished
+
+    # ---- maintenance ----------------------------------------------------------------------------
+    def compact(self) -> ScheduledBatch:
+        """A batch with no tokens whose copies pack the used pages to the front of the cache."""
+        return ScheduledBatch(copies=self.kv.compact())
+
+    def stats(self) -> dict:
+        kv = self.kv
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "num_swapped": len(self.swapped), "kv_usage": kv.usage, "num_preemptions": self.num_preemptions,
+                "num_swap_outs": self.num_swap_outs,
+                "prefix_hit_rate": kv.prefix_hit_tokens / max(1, kv.prefix_query_tokens)}

@@ -1,0 +1,303 @@
+"""TIR for paged_attention (UA and unified_masked), CPU and CUDA.
+
+Both targets do the same math: q is pre-scaled into fp32, scores get soft-cap / ALiBi,
+an online softmax keeps (max, sum, acc[D]) in fp32, and split i of a token covers
+reference.split_ranges. They differ in how work is spread:
+- cpu: one task per (token, q head) under T.parallel; KV is walked page by page, so the
+  softmax rescale happens once per page and the inner loops vectorise over D.
+- cuda: one block per (token, q head, split); TX lanes share a row of D (warp-shuffle
+  dot product), NY lane groups take interleaved positions, then merge through shared memory.
+unified_masked scans every page-table entry of every sequence (skipping -1) and masks out
+cells of other sequences and positions outside the token's range: llama.cpp's cost model.
+"""
+from __future__ import annotations
+
+from ..ir import PagedAttention
+from .tvm_kernels import ALIGN, TIR_DTYPE, lanes_for, load_f32, neg_inf, transform_score
+
+
+def paged_attention(op: PagedAttention, gpu: bool):
+    return _cuda(op) if gpu else _cpu(op)
+
+
+def _ranges(op: PagedAttention):
+    """Python helpers building the visible range [lo, L) and split i's [a, b) as int64 exprs."""
+    from tvm import tirx
+
+    S = op.num_splits
+
+    def lo_of(L):
+        return tirx.max(L - tirx.const(op.window, "int64"), tirx.const(0, "int64")) if op.window else tirx.const(0, "int64")
+
+    def split(lo, L, i):
+        if S == 1:
+            return lo, L
+        c = tirx.floordiv(L - lo + tirx.const(S - 1, "int64"), tirx.const(S, "int64"))
+        i = tirx.Cast("int64", i)
+        return tirx.min(lo + i * c, L), tirx.min(lo + (i + tirx.const(1, "int64")) * c, L)
+
+    return lo_of, split
+
+
+def _cpu(op: PagedAttention):
+    from tvm.script import tirx as T
+
+    Hq, Hkv, D, P, G, S = op.num_q_heads, op.num_kv_heads, op.head_dim, op.page_size, op.group_size, op.num_splits
+    qdt, kvdt, kvd = TIR_DTYPE[op.q_dtype], TIR_DTYPE[op.kv_dtype], op.kv_dtype
+    LN = 8 if D % 8 == 0 else (4 if D % 4 == 0 else 1)  # dot-product lanes (fp32 partial sums)
+    quant, unified, with_lse = op.quantized, op.variant == "unified_masked", op.return_lse
+    scale, NEG = op.sm_scale, neg_inf()
+    lo_of, split = _ranges(op)
+
+    def tf(x, h, j, L, slopes):
+        return transform_score(op, x, h, j, L, slopes)
+
+    @T.macro
+    def dot_into(sc, o, qv, part, k_cache, k_scale, page, g):
+        for ln in T.vectorized(LN):
+            part[ln] = T.float32(0)
+        for d0 in T.serial(D // LN):
+            for ln in T.vectorized(LN):
+                part[ln] = part[ln] + qv[d0 * LN + ln] * load_f32(kvd, k_cache[page, o, g, d0 * LN + ln])
+        sc[o] = T.float32(0)
+        for ln in T.serial(LN):
+            sc[o] = sc[o] + part[ln]
+        if quant:
+            sc[o] = sc[o] * k_scale[page, o, g]
+
+    @T.macro
+    def page_update(sc, pb, st, acc, v_cache, v_scale, page, g, o_lo, o_hi):
+        # sc[o] holds final scores (-inf = masked); fold page cells [o_lo, o_hi) into (m, l, acc)
+        st[2] = NEG
+        for o in T.serial(o_lo, o_hi):
+            st[2] = T.max(st[2], sc[o])
+        if st[2] > NEG:
+            m_new: T.let[T.float32] = T.max(st[0], st[2])
+            alpha: T.let[T.float32] = T.exp(st[0] - m_new)
+            st[3] = T.float32(0)
+            for o in T.serial(o_lo, o_hi):
+                pb[o] = T.exp(sc[o] - m_new)
+                st[3] = st[3] + pb[o]
+            st[1] = st[1] * alpha + st[3]
+            st[0] = m_new
+            for d in T.vectorized(D):
+                acc[d] = acc[d] * alpha
+            for o in T.serial(o_lo, o_hi):
+                if sc[o] > NEG:  # masked cells may hold garbage (even NaN): never touch their V
+                    if quant:
+                        pb[o] = pb[o] * v_scale[page, o, g]
+                    for d in T.vectorized(D):
+                        acc[d] = acc[d] + pb[o] * load_f32(kvd, v_cache[page, o, g, d])
+
+    @T.prim_func
+    def kernel(q_h: T.handle, kc_h: T.handle, vc_h: T.handle, ts_h: T.handle, pt_h: T.handle, kl_h: T.handle,
+               ks_h: T.handle, vs_h: T.handle, al_h: T.handle, op_h: T.handle, lp_h: T.handle, out_h: T.handle,
+               lse_h: T.handle, num_tokens: T.int64, num_seqs: T.int64, max_pages: T.int64, num_pages: T.int64):
+        q = T.match_buffer(q_h, (num_tokens, Hq, D), qdt, align=ALIGN)
+        k_cache = T.match_buffer(kc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
+        v_cache = T.match_buffer(vc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
+        token_seq = T.match_buffer(ts_h, (num_tokens,), "int32", align=ALIGN)
+        page_table = T.match_buffer(pt_h, (num_seqs, max_pages), "int32", align=ALIGN)
+        token_kv_len = T.match_buffer(kl_h, (num_tokens,), "int32", align=ALIGN)
+        k_scale = T.match_buffer(ks_h, (num_pages, P, Hkv), "float32", align=ALIGN)
+        v_scale = T.match_buffer(vs_h, (num_pages, P, Hkv), "float32", align=ALIGN)
+        alibi_slopes = T.match_buffer(al_h, (Hq,), "float32", align=ALIGN)
+        o_partial = T.match_buffer(op_h, (S, num_tokens, Hq, D), "float32", align=ALIGN)
+        lse_partial = T.match_buffer(lp_h, (S, num_tokens, Hq), "float32", align=ALIGN)
+        out = T.match_buffer(out_h, (num_tokens, Hq, D), qdt, align=ALIGN)
+        lse = T.match_buffer(lse_h, (num_tokens, Hq), "float32", align=ALIGN)
+        for th in T.parallel(num_tokens * Hq):
+            qv = T.alloc_buffer((D,), "float32", scope="local")
+            acc = T.alloc_buffer((D,), "float32", scope="local")
+            sc = T.alloc_buffer((P,), "float32", scope="local")
+            pb = T.alloc_buffer((P,), "float32", scope="local")
+            part = T.alloc_buffer((LN,), "float32", scope="local")
+            st = T.alloc_buffer((4,), "float32", scope="local")  # m, l, page max, page sum
+            t: T.let[T.int64] = th // Hq
+            h: T.let[T.int64] = th % Hq
+            g: T.let[T.int64] = h // G
+            s: T.let[T.int64] = T.Cast("int64", token_seq[t])
+            L: T.let[T.int64] = T.Cast("int64", token_kv_len[t])
+            lo: T.let[T.int64] = lo_of(L)
+            for d in T.serial(D):
+                qv[d] = T.Cast("float32", q[t, h, d]) * T.float32(scale)
+            for sp in T.serial(S):
+                a: T.let[T.int64] = split(lo, L, sp)[0]
+                b: T.let[T.int64] = split(lo, L, sp)[1]
+                st[0] = NEG
+                st[1] = T.float32(0)
+                for d in T.vectorized(D):
+                    acc[d] = T.float32(0)
+                if unified:
+                    for s2 in T.serial(num_seqs):
+                        for pi in T.serial(max_pages):
+                            page: T.let[T.int64] = T.Cast("int64", page_table[s2, pi])
+                            if page >= 0:
+                                for o in T.serial(P):  # every cell is scored, then masked
+                                    dot_into(sc, o, qv, part, k_cache, k_scale, page, g)
+                                    sc[o] = T.Select(s2 == s and pi * P + o >= a and pi * P + o < b,
+                                                     tf(sc[o], h, pi * P + o, L, alibi_slopes), NEG)
+                                page_update(sc, pb, st, acc, v_cache, v_scale, page, g, 0, P)
+                elif a < b:
+                    for pi in T.serial(a // P, (b + P - 1) // P):
+                        page: T.let[T.int64] = T.Cast("int64", page_table[s, pi])
+                        o_lo: T.let[T.int64] = T.max(a - pi * P, 0)
+                        o_hi: T.let[T.int64] = T.min(b - pi * P, P)
+                        for o in T.serial(o_lo, o_hi):
+                            dot_into(sc, o, qv, part, k_cache, k_scale, page, g)
+                            sc[o] = tf(sc[o], h, pi * P + o, L, alibi_slopes)
+                        page_update(sc, pb, st, acc, v_cache, v_scale, page, g, o_lo, o_hi)
+                inv: T.let[T.float32] = T.Select(st[1] > T.float32(0), T.float32(1) / st[1], T.float32(0))
+                lse_v: T.let[T.float32] = T.Select(st[1] > T.float32(0), st[0] + T.log(st[1]), NEG)
+                if S == 1:
+                    for d in T.serial(D):
+                        out[t, h, d] = T.Cast(qdt, acc[d] * inv)
+                    if with_lse:
+                        lse[t, h] = lse_v
+                else:
+                    for d in T.serial(D):
+                        o_partial[sp, t, h, d] = acc[d] * inv
+                    lse_partial[sp, t, h] = lse_v
+
+    return kernel
+
+
+def _cuda(op: PagedAttention):
+    from tvm.script import tirx as T
+
+    Hq, Hkv, D, P, G, S = op.num_q_heads, op.num_kv_heads, op.head_dim, op.page_size, op.group_size, op.num_splits
+    qdt, kvdt, kvd = TIR_DTYPE[op.q_dtype], TIR_DTYPE[op.kv_dtype], op.kv_dtype
+    TX = lanes_for(D)  # lanes per row of D
+    VEC = D // TX  # elements per lane
+    NY = 128 // TX  # lane groups per block, each over interleaved KV positions
+    NSH = TX.bit_length() - 1  # butterfly steps over the TX lanes of a row
+    quant, unified, with_lse = op.quantized, op.variant == "unified_masked", op.return_lse
+    scale, NEG = op.sm_scale, neg_inf()
+    lo_of, split = _ranges(op)
+    FULL = 0xFFFFFFFF
+
+    def tf(x, h, j, L, slopes):
+        return transform_score(op, x, h, j, L, slopes)
+
+    @T.macro
+    def lane_dot(st, qv, k_cache, k_scale, page, o, g, tx, valid):
+        # every lane reaches the shuffles (loop trip counts are block-uniform); loads are guarded
+        st[2] = T.float32(0)
+        if valid:
+            for v in T.serial(VEC):
+                st[2] = st[2] + qv[v] * load_f32(kvd, k_cache[page, o, g, tx * VEC + v])
+        for r in T.unroll(NSH):
+            st[2] = st[2] + T.tvm_warp_shuffle_xor(FULL, st[2], (TX // 2) >> r, TX, 32)
+        if quant and valid:
+            st[2] = st[2] * k_scale[page, o, g]
+
+    @T.macro
+    def online_update(st, acc, v_cache, v_scale, page, o, g, tx, score):
+        m_new: T.let[T.float32] = T.max(st[0], score)
+        alpha: T.let[T.float32] = T.exp(st[0] - m_new)
+        p: T.let[T.float32] = T.exp(score - m_new)
+        st[1] = st[1] * alpha + p
+        st[0] = m_new
+        st[3] = p
+        if quant:
+            st[3] = p * v_scale[page, o, g]
+        for v in T.serial(VEC):
+            acc[v] = acc[v] * alpha + st[3] * load_f32(kvd, v_cache[page, o, g, tx * VEC + v])
+
+    @T.prim_func
+    def kernel(q_h: T.handle, kc_h: T.handle, vc_h: T.handle, ts_h: T.handle, pt_h: T.handle, kl_h: T.handle,
+               ks_h: T.handle, vs_h: T.handle, al_h: T.handle, op_h: T.handle, lp_h: T.handle, out_h: T.handle,
+               lse_h: T.handle, num_tokens: T.int64, num_seqs: T.int64, max_pages: T.int64, num_pages: T.int64):
+        q = T.match_buffer(q_h, (num_tokens, Hq, D), qdt, align=ALIGN)
+        k_cache = T.match_buffer(kc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
+        v_cache = T.match_buffer(vc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
+        token_seq = T.match_buffer(ts_h, (num_tokens,), "int32", align=ALIGN)
+        page_table = T.match_buffer(pt_h, (num_seqs, max_pages), "int32", align=ALIGN)
+        token_kv_len = T.match_buffer(kl_h, (num_tokens,), "int32", align=ALIGN)
+        k_scale = T.match_buffer(ks_h, (num_pages, P, Hkv), "float32", align=ALIGN)
+        v_scale = T.match_buffer(vs_h, (num_pages, P, Hkv), "float32", align=ALIGN)
+        alibi_slopes = T.match_buffer(al_h, (Hq,), "float32", align=ALIGN)
+        o_partial = T.match_buffer(op_h, (S, num_tokens, Hq, D), "float32", align=ALIGN)
+        lse_partial = T.match_buffer(lp_h, (S, num_tokens, Hq), "float32", align=ALIGN)
+        out = T.match_buffer(out_h, (num_tokens, Hq, D), qdt, align=ALIGN)
+        lse = T.match_buffer(lse_h, (num_tokens, Hq), "float32", align=ALIGN)
+        for bt in T.thread_binding(num_tokens, thread="blockIdx.x"):
+            for bh in T.thread_binding(Hq, thread="blockIdx.y"):
+                for sp in T.thread_binding(S, thread="blockIdx.z"):
+                    for ty in T.thread_binding(NY, thread="threadIdx.y"):
+                        for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                            qv = T.alloc_buffer((VEC,), "float32", scope="local")
+                            acc = T.alloc_buffer((VEC,), "float32", scope="local")
+                            st = T.alloc_buffer((4,), "float32", scope="local")  # m, l, dot, p*v_scale
+                            sm_m = T.alloc_buffer((NY,), "float32", scope="shared")
+                            sm_l = T.alloc_buffer((NY,), "float32", scope="shared")
+                            sm_acc = T.alloc_buffer((NY, D), "float32", scope="shared")
+                            t: T.let[T.int64] = T.Cast("int64", bt)
+                            h: T.let[T.int64] = T.Cast("int64", bh)
+                            g: T.let[T.int64] = h // G
+                            s: T.let[T.int64] = T.Cast("int64", token_seq[t])
+                            L: T.let[T.int64] = T.Cast("int64", token_kv_len[t])
+                            lo: T.let[T.int64] = lo_of(L)
+                            a: T.let[T.int64] = split(lo, L, sp)[0]
+                            b: T.let[T.int64] = split(lo, L, sp)[1]
+                            for v in T.serial(VEC):
+                                qv[v] = T.Cast("float32", q[t, h, tx * VEC + v]) * T.float32(scale)
+                                acc[v] = T.float32(0)
+                            st[0] = NEG
+                            st[1] = T.float32(0)
+                            if unified:
+                                cells: T.let[T.int64] = num_seqs * max_pages * P
+                                for it in T.serial((cells + NY - 1) // NY):
+                                    c: T.let[T.int64] = it * NY + T.Cast("int64", ty)
+                                    s2: T.let[T.int64] = c // (max_pages * P)
+                                    pi: T.let[T.int64] = c // P % max_pages
+                                    o: T.let[T.int64] = c % P
+                                    page: T.let[T.int64] = T.Cast("int64", T.if_then_else(
+                                        c < cells, page_table[s2 % num_seqs, pi], -1))
+                                    lane_dot(st, qv, k_cache, k_scale, page, o, g, tx, page >= 0)
+                                    if page >= 0 and s2 == s and pi * P + o >= a and pi * P + o < b:
+                                        online_update(st, acc, v_cache, v_scale, page, o, g, tx,
+                                                      tf(st[2], h, pi * P + o, L, alibi_slopes))
+                            else:
+                                for it in T.serial((b - a + NY - 1) // NY):
+                                    j: T.let[T.int64] = a + it * NY + T.Cast("int64", ty)
+                                    page: T.let[T.int64] = T.Cast("int64", T.if_then_else(
+                                        j < b, page_table[s, j // P], 0))
+                                    lane_dot(st, qv, k_cache, k_scale, page, j % P, g, tx, j < b)
+                                    if j < b:
+                                        online_update(st, acc, v_cache, v_scale, page, j % P, g, tx,
+                                                      tf(st[2], h, j, L, alibi_slopes))
+                            if tx == 0:
+                                sm_m[ty] = st[0]
+                                sm_l[ty] = st[1]
+                            for v in T.serial(VEC):
+                                sm_acc[ty, tx * VEC + v] = acc[v]
+                            T.tvm_storage_sync("shared")
+                            if ty == 0:  # merge the NY partial softmax states
+                                st[0] = NEG
+                                for y in T.serial(NY):
+                                    st[0] = T.max(st[0], sm_m[y])
+                                st[1] = T.float32(0)
+                                for v in T.serial(VEC):
+                                    acc[v] = T.float32(0)
+                                if st[0] > NEG:
+                                    for y in T.serial(NY):
+                                        st[3] = T.exp(sm_m[y] - st[0])
+                                        st[1] = st[1] + sm_l[y] * st[3]
+                                        for v in T.serial(VEC):
+                                            acc[v] = acc[v] + sm_acc[y, tx * VEC + v] * st[3]
+                                inv: T.let[T.float32] = T.Select(st[1] > T.float32(0), T.float32(1) / st[1],
+                                                                 T.float32(0))
+                                lse_v: T.let[T.float32] = T.Select(st[1] > T.float32(0), st[0] + T.log(st[1]), NEG)
+                                if S == 1:
+                                    for v in T.serial(VEC):
+                                        out[t, h, tx * VEC + v] = T.Cast(qdt, acc[v] * inv)
+                                    if with_lse and tx == 0:
+                                        lse[t, h] = lse_v
+                                else:
+                                    for v in T.serial(VEC):
+                                        o_partial[sp, t, h, tx * VEC + v] = acc[v] * inv
+                                    if tx == 0:
+                                        lse_partial[sp, t, h] = lse_v
+
+    return kernel
