@@ -63,3 +63,14 @@ def test_readme_python_example_runs():
 
     code = re.search(r"## In Python\n\n```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_build_ascend_records_emulator_verification(tmp_path):
+    r = run_cli("build", "--preset", "tiny", "--target", "ascend", "--out", str(tmp_path), "--quiet")
+    assert r.returncode == 0, r.stderr
+    kernels = json.loads((tmp_path / "manifest.json").read_text())["kernels"]
+    verified = {e["op"]: e.get("verified") for e in kernels}
+    for op in ("paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks"):
+        assert verified[op] == "emulator", kernels
+    merge = next(e for e in kernels if e["op"] == "merge_state")
+    assert merge["library"] is None and "no lowering for merge_state" in merge["reason"]

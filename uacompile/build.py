@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import IRError
 from .ir import CopyBlocks, MergeState, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks
 
 
@@ -87,14 +88,19 @@ def build_one(op: OpSpec, target: str, lowering: str, out_dir: Path) -> dict:
         res = _lowering(target, lowering)(op, out_dir)
     except ImportError as e:  # the toolchain's Python package is not installed
         res = {"source": None, "library": None, "reason": f"{type(e).__name__}: {e}"}
-    except NotImplementedError as e:  # this lowering has no kernel for the variant
+    except (NotImplementedError, IRError) as e:  # this lowering has no kernel for the variant
         res = {"source": None, "library": None, "reason": f"not supported: {e}"}
-    entry.update(res)
+    entry.update({k: v for k, v in res.items() if k not in ("op", "target")})
+    if entry.get("library") is None:
+        entry["reason"] = entry.get("reason") or entry.get("verified") or "not built"
     entry.setdefault("reason", None)
     entry["build_s"] = round(time.perf_counter() - t0, 3)
     for k in ("source", "library"):
-        if entry.get(k) is not None:
-            entry[k] = str(entry[k])
+        v = entry.get(k)
+        if isinstance(v, (list, tuple)):
+            entry[k] = [str(p) for p in v]
+        elif v is not None:
+            entry[k] = str(v)
     return entry
 
 

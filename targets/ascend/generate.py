@@ -1,0 +1,294 @@
+"""AscendC code generation: plan (tiling, UB budget, blockDim) and render the templates.
+
+The plan is the one place for every size the kernel is built with: the templates take
+their InitBuffer sizes, tile lengths and the blockDim cap from it, and the generator
+checks it against the 910B limits (192 KB UB per vector core, 32 B alignment, 40/48
+vector cores) before any source is written. What is verified: the generated kernels run
+on this project's clean-room CPU emulator against the numpy reference; they have not
+run on NPU hardware (see HARDWARE_VALIDATION.md).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from uacompile.errors import IRError
+from uacompile.ir import (CopyBlocks, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks, c_signature, itemsize)
+
+UB_BYTES = 196_608  # Unified Buffer per vector core, 910B
+ALIGN = 32  # DataCopy / UB alignment unit
+HBM_BYTES_PER_S = 1.6e12  # 910B HBM, +-20% (roofline estimates only)
+# vector (AIV) and cube (AIC) core counts of the 910B family
+SOCS = {"Ascend910B1": (48, 24), "Ascend910B2": (48, 24), "Ascend910B3": (40, 20), "Ascend910B4": (40, 20)}
+DEFAULT_SOC = "Ascend910B1"
+CTYPES = {"fp32": "float", "fp16": "half", "bf16": "bfloat16_t", "int8": "int8_t", "int32": "int32_t",
+          "int64": "int64_t"}
+STATUS = "generated and emulator-checked (clean-room CPU emulation of AscendC); not run on NPU hardware"
+COPY_CHUNK_BYTES = 32 * 1024  # per buffer of the GM -> UB -> GM copy queue (x2: double buffered)
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent.parent / "templates"
+EMULATOR_DIR = Path(__file__).resolve().parent / "emulator"
+
+
+def _template_dir() -> Path:
+    try:
+        import uacompile.templates as t
+
+        return Path(t.__file__).resolve().parent
+    except ImportError:  # running from a source tree without the package mapping
+        return TEMPLATE_DIR
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One InitBuffer call: `num` buffers of `bytes` each (already rounded to 32 B)."""
+
+    name: str
+    num: int
+    bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.num * self.bytes
+
+
+@dataclass
+class Plan:
+    op: OpSpec
+    soc: str
+    max_block_dim: int  # blockDim = min(units, this); units computed on the host at launch
+    buffers: dict[str, Buffer] = field(default_factory=dict)
+    consts: dict = field(default_factory=dict)  # tile sizes etc. rendered as constexpr
+
+    @property
+    def ub_bytes(self) -> int:
+        return sum(b.total for b in self.buffers.values())
+
+    def add(self, name: str, bytes_: int, num: int = 1) -> None:
+        self.buffers[name] = Buffer(name, num, _round(bytes_))
+
+    def check(self) -> "Plan":
+        kind = self.op.kind
+        if self.ub_bytes > UB_BYTES:
+            raise IRError(f"{kind}.head_dim", f"the AscendC kernel needs {self.ub_bytes} B of UB per core, over the "
+                                              f"{UB_BYTES} B of the 910B")
+        for b in self.buffers.values():
+            assert b.bytes % ALIGN == 0 and b.num >= 1, b
+        vec_cores = SOCS[self.soc][0]
+        if not 1 <= self.max_block_dim <= vec_cores:
+            raise IRError("soc", f"blockDim cap {self.max_block_dim} outside [1, {vec_cores}] for {self.soc}")
+        return self
+
+    def to_dict(self) -> dict:
+        return {"soc": self.soc, "max_block_dim": self.max_block_dim, "ub_bytes": self.ub_bytes,
+                "ub_budget": UB_BYTES, "buffers": [asdict(b) for b in self.buffers.values()], "consts": self.consts}
+
+
+def _round(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def _require(cond: bool, field_: str, rule: str) -> None:
+    if not cond:
+        raise IRError(field_, rule)
+
+
+# ---------------------------------------------------------------- plans per op
+def _plan_attention(op: PagedAttention, soc: str) -> Plan:
+    k = op.kind
+    _require(op.variant == "ua", f"{k}.variant", "the AscendC target implements only variant 'ua'")
+    _require(op.kv_dtype in ("fp16", "bf16", "fp32", "int8"), f"{k}.kv_dtype",
+             f"the AscendC target supports fp16/bf16/fp32/int8 KV (910B has no fp8), got {op.kv_dtype}")
+    D, G, Hkv = op.head_dim, op.group_size, op.num_kv_heads
+    sq, skv = itemsize(op.q_dtype), itemsize(op.kv_dtype)
+    for dt in (op.q_dtype, op.kv_dtype):
+        _require(D * itemsize(dt) % ALIGN == 0, f"{k}.head_dim",
+                 f"head_dim * sizeof({dt}) must be a multiple of 32 B for DataCopy, got {D}")
+    _require((Hkv - 1) * D * skv // ALIGN <= 65535, f"{k}.num_kv_heads", "KV row gap exceeds DataCopy's 16-bit stride")
+    partial = op.num_splits > 1
+    out_size = 4 if partial else sq
+    with_lse = partial or op.return_lse
+    for tile in (128, 64, 32, 16, 8, 4, 2, 1):
+        if tile > op.page_size:
+            continue
+        srow = _round(tile, 8)  # score row: tile floats, padded to 32 B
+        p = Plan(op, soc, SOCS[soc][0])
+        p.add("q", G * D * sq)
+        p.add("k", tile * D * skv, 2)
+        p.add("v", tile * D * skv, 2)
+        if op.quantized:
+            p.add("k_scale", tile * ALIGN, 2)  # one scale per 32 B row (DataCopyPad)
+            p.add("v_scale", tile * ALIGN, 2)
+            p.add("kv_half", tile * D * 2)  # int8 -> half -> float
+        if op.kv_dtype != "fp32":
+            p.add("kf", tile * D * 4)
+            p.add("vf", tile * D * 4)
+        p.add("qf", G * D * 4)
+        p.add("acc", G * D * 4)
+        p.add("score", srow * 4)
+        p.add("red", tile * ALIGN)  # per-position ReduceSum results, 32 B apart
+        p.add("tmp", D * 4)
+        p.add("work", max(D, srow) * 4)
+        p.add("small", ALIGN)
+        if op.alibi:
+            p.add("iota", srow * 4)
+        if with_lse:
+            p.add("lse_l", G * 4)
+            p.add("lse_m", G * 4)
+            p.add("lse_out", G * 4, 2)
+        p.add("out", D * out_size, 2)
+        p.consts = {"TILE": tile, "SROW": srow}
+        if p.ub_bytes <= UB_BYTES:
+            return p.check()
+    raise IRError(f"{k}.head_dim", f"no KV tile fits the {UB_BYTES} B UB (head_dim={D}, group={G})")
+
+
+def _plan_reshape(op: ReshapeAndCache, soc: str) -> Plan:
+    k = op.kind
+    _require(not op.rope, f"{k}.rope", "the AscendC target does not fuse RoPE yet (rope=True)")
+    _require(op.kv_dtype in ("fp16", "bf16", "fp32", "int8"), f"{k}.kv_dtype",
+             f"the AscendC target supports fp16/bf16/fp32/int8 KV (910B has no fp8), got {op.kv_dtype}")
+    p = Plan(op, soc, SOCS[soc][0])
+    row = op.num_kv_heads * op.head_dim
+    if not op.quantized:
+        p.add("chunk", COPY_CHUNK_BYTES, 2)
+        p.consts = {"CHUNK": COPY_CHUNK_BYTES // itemsize(op.dtype)}
+        return p.check()
+    _require(op.head_dim % 8 == 0, f"{k}.head_dim", f"int8 KV needs head_dim % 8 == 0 (32 B float rows), got {op.head_dim}")
+    p.add("x_in", row * itemsize(op.dtype), 2)
+    p.add("xf", row * 4)
+    p.add("den", row * 4)  # |x|, then the per-head scale broadcast, then int32 / half views
+    p.add("red", op.num_kv_heads * ALIGN)
+    p.add("work", op.head_dim * 4)
+    p.add("q_out", row, 2)
+    p.add("scale_out", op.num_kv_heads * 4, 2)
+    p.consts = {"ROW": row}
+    return p.check()
+
+
+def _plan_copy(op: CopyBlocks, soc: str) -> Plan:
+    p = Plan(op, soc, SOCS[soc][0])
+    p.add("chunk", COPY_CHUNK_BYTES, 2)
+    p.consts = {"CHUNK_BYTES": COPY_CHUNK_BYTES}
+    return p.check()
+
+
+def _plan_swap(op: SwapBlocks, soc: str) -> Plan:
+    return Plan(op, soc, 1)  # host-side copies only; no kernel
+
+
+PLANNERS = {"paged_attention": _plan_attention, "reshape_and_cache": _plan_reshape, "copy_blocks": _plan_copy,
+            "swap_blocks": _plan_swap}
+
+
+def plan(op: OpSpec, soc: str = DEFAULT_SOC) -> Plan:
+    """The tiling / UB plan of op for a 910B part; IRError when the target cannot build it."""
+    if soc not in SOCS:
+        raise IRError("soc", f"must be one of {sorted(SOCS)}, got {soc!r}")
+    if op.kind not in PLANNERS:
+        raise IRError("op", f"the AscendC target has no lowering for {op.kind}")
+    return PLANNERS[op.kind](op, soc)
+
+
+# ---------------------------------------------------------------- rendering
+@dataclass
+class KernelSources:
+    symbol: str  # launcher: int <symbol>(void* tensors..., int64_t sizes..., aclrtStream)
+    kernel: str | None  # the __global__ __aicore__ function, None for host-only ops
+    files: dict[str, str]  # file name -> text
+    plan: Plan
+    meta: dict
+
+    def write(self, out_dir) -> list[Path]:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for name, text in self.files.items():
+            (out / name).write_text(text)
+            paths.append(out / name)
+        return paths
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(_template_dir())), trim_blocks=True,
+                              lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
+
+
+def _numel_expr(shape) -> str:
+    return " * ".join(f"(uint64_t){d}" for d in shape) if shape else "1"
+
+
+def _context(op: OpSpec, p: Plan) -> dict:
+    tensors = [dict(name=t.name, ctype=CTYPES[t.dtype], numel=_numel_expr(t.shape), role=t.role)
+               for t in op.tensors()]
+    ctx = dict(op=op, sym=op.symbol(), kernel=f"{op.symbol()}_kernel", plan=p, b=p.buffers, c=p.consts,
+               tensors=tensors, sizes=[s.name for s in op.sizes()], status=STATUS,
+               signature=c_signature(op, stream_type="aclrtStream"), ctypes=CTYPES,
+               op_json=json.dumps(op.to_dict(), sort_keys=True))
+    if op.kind == "paged_attention":
+        ctx.update(q_t=CTYPES[op.q_dtype], kv_t=CTYPES[op.kv_dtype],
+                   out_t="float" if op.num_splits > 1 else CTYPES[op.q_dtype],
+                   with_lse=op.num_splits > 1 or op.return_lse, scale=repr(float(op.sm_scale)),
+                   softcap=repr(float(op.softcap)))
+    elif op.kind == "reshape_and_cache":
+        ctx.update(in_t=CTYPES[op.dtype], kv_t=CTYPES[op.kv_dtype])
+    elif op.kind in ("copy_blocks", "swap_blocks"):
+        ctx.update(kv_t=CTYPES[op.kv_dtype])
+    return ctx
+
+
+UNITS = {  # work items the blocks share (C expression over the tiling fields)
+    "paged_attention": "t.num_tokens * {hkv} * {splits}",
+    "reshape_and_cache": "t.num_tokens",
+    "copy_blocks": "t.num_layers * 2 * t.num_pairs",
+}
+
+
+def generate(op: OpSpec, soc: str = DEFAULT_SOC) -> KernelSources:
+    """Render op's AscendC sources: <sym>_kernel.cpp, <sym>_tiling.h, <sym>_host.cpp,
+    CMakeLists.txt and <sym>.json (metadata)."""
+    p = plan(op, soc)
+    env = _env()
+    ctx = _context(op, p)
+    sym = ctx["sym"]
+    files = {}
+    if op.kind == "swap_blocks":
+        kernel = None
+        files[f"{sym}_host.cpp"] = env.get_template("ascend/swap_blocks.cpp.j2").render(ctx)
+    else:
+        kernel = ctx["kernel"]
+        units = UNITS[op.kind].format(hkv=getattr(op, "num_kv_heads", 1), splits=getattr(op, "num_splits", 1))
+        ctx.update(units=units)
+        files[f"{sym}_tiling.h"] = env.get_template("ascend/tiling.h.j2").render(ctx)
+        files[f"{sym}_kernel.cpp"] = env.get_template(f"ascend/{op.kind}.cpp.j2").render(ctx)
+        files[f"{sym}_host.cpp"] = env.get_template("ascend/launcher.cpp.j2").render(ctx)
+    files["CMakeLists.txt"] = env.get_template("ascend/CMakeLists.txt.j2").render(ctx)
+    meta = {"target": "ascend", "op": op.to_dict(), "symbol": sym, "kernel": kernel, "plan": p.to_dict(),
+            "launcher": c_signature(op, stream_type="aclrtStream"), "status": STATUS, "verified": "no",
+            "speed": "no measured NPU speed; see roofline_estimate() (910B HBM ~1.6 TB/s +-20%)"}
+    files[f"{sym}.json"] = json.dumps(meta, indent=2, sort_keys=True) + "\n"
+    return KernelSources(sym, kernel, files, p, meta)
+
+
+# ---------------------------------------------------------------- roofline
+def roofline_estimate(op: OpSpec, **sizes) -> dict:
+    """Bytes moved through HBM and the time that takes at 1.6 TB/s (+-20%): an estimate
+    from the 910B's published figures, not a measurement."""
+    if op.kind == "paged_attention":
+        T, kv_len = sizes["num_tokens"], sizes["kv_len"]  # kv_len: positions read per (token, kv head)
+        row = op.head_dim * itemsize(op.kv_dtype) + (4 if op.quantized else 0)
+        moved = T * op.num_kv_heads * kv_len * 2 * row + 2 * T * op.num_q_heads * op.head_dim * itemsize(op.q_dtype)
+    elif op.kind == "reshape_and_cache":
+        row = op.num_kv_heads * op.head_dim
+        moved = sizes["num_tokens"] * 2 * (row * itemsize(op.dtype) + row * itemsize(op.kv_dtype))
+    elif op.kind == "copy_blocks":
+        page = op.page_size * op.num_kv_heads * op.head_dim * itemsize(op.kv_dtype)
+        moved = 2 * sizes["num_layers"] * 2 * sizes["num_pairs"] * page  # read + write
+    else:
+        raise ValueError(f"op: no HBM roofline for {op.kind} (swap_blocks is bound by the host link, not HBM)")
+    t = moved / HBM_BYTES_PER_S
+    return {"bytes": int(moved), "seconds": t, "seconds_range": [t / 1.2, t / 0.8], "basis": "910B HBM 1.6 TB/s +-20%",
+            "measured": False}

@@ -1,0 +1,127 @@
+"""Generator-time checks of the AscendC target: UB budget, alignment, blockDim, clear
+IRErrors for what it cannot build, g++ -fsyntax-only -Wall -Werror on every generated
+source, the CMake project, and what the metadata claims."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from uacompile.errors import IRError
+from uacompile.ir import CopyBlocks, PagedAttention, ReshapeAndCache, SwapBlocks
+from uacompile.targets.ascend import build
+from uacompile.targets.ascend.generate import ALIGN, SOCS, UB_BYTES, generate, plan, roofline_estimate
+
+VARIANTS = [
+    PagedAttention(4, 4, 64, 16),
+    PagedAttention(32, 8, 128, 128),
+    PagedAttention(8, 2, 128, 128, q_dtype="bf16", kv_dtype="bf16", window=4096, return_lse=True),
+    PagedAttention(8, 1, 64, 16, kv_dtype="int8", softcap=30.0, alibi=True, num_splits=4),
+    PagedAttention(4, 2, 256, 64, q_dtype="fp32", kv_dtype="fp32"),
+    ReshapeAndCache(8, 128, 128),
+    ReshapeAndCache(3, 40, 16, dtype="bf16", kv_dtype="bf16"),
+    ReshapeAndCache(8, 128, 16, kv_dtype="int8"),
+    CopyBlocks(8, 128, 128),
+    CopyBlocks(8, 128, 16, kv_dtype="int8"),
+    SwapBlocks(8, 128, 128),
+    SwapBlocks(8, 128, 16, kv_dtype="int8"),
+]
+
+
+@pytest.mark.parametrize("op", VARIANTS, ids=lambda o: o.symbol())
+@pytest.mark.parametrize("soc", sorted(SOCS))
+def test_plan_fits_the_910b(op, soc):
+    p = plan(op, soc)
+    assert p.ub_bytes <= UB_BYTES
+    assert all(b.bytes % ALIGN == 0 and b.num >= 1 for b in p.buffers.values())
+    assert 1 <= p.max_block_dim <= SOCS[soc][0] <= 48
+    if soc in ("Ascend910B3", "Ascend910B4") and op.kind != "swap_blocks":
+        assert p.max_block_dim == 40
+
+
+def test_attention_tile_is_the_largest_that_fits():
+    assert plan(PagedAttention(8, 2, 128, 16)).consts["TILE"] == 16  # the page bounds it
+    big = plan(PagedAttention(32, 8, 128, 128))
+    assert big.consts["TILE"] == 64  # 128 positions of fp16 K/V + fp32 copies would overflow UB
+    assert big.ub_bytes <= UB_BYTES
+
+
+@pytest.mark.parametrize("op,field", [
+    (lambda: PagedAttention(4, 4, 40, 16), "head_dim"),  # 80 B rows: DataCopy needs 32 B multiples
+    (lambda: PagedAttention(4, 4, 48, 16, kv_dtype="int8"), "head_dim"),
+    (lambda: PagedAttention(4, 4, 64, 16, kv_dtype="fp8_e4m3"), "kv_dtype"),
+    (lambda: PagedAttention(4, 4, 64, 16, variant="unified_masked"), "variant"),
+    (lambda: PagedAttention(64, 1, 2048, 16, q_dtype="fp32", kv_dtype="fp32"), "head_dim"),  # over the UB
+    (lambda: ReshapeAndCache(4, 64, 16, rope=True), "rope"),
+    (lambda: ReshapeAndCache(4, 20, 16, kv_dtype="int8"), "head_dim"),
+    (lambda: ReshapeAndCache(4, 64, 16, kv_dtype="fp8_e4m3"), "kv_dtype"),
+])
+def test_unsupported_variants_raise_irerror_naming_the_field(op, field):
+    with pytest.raises(IRError) as e:
+        plan(op())
+    assert field in e.value.field
+
+
+def test_unknown_soc_is_rejected():
+    with pytest.raises(IRError, match="soc"):
+        plan(PagedAttention(4, 4, 64, 16), "Ascend310P")
+
+
+def test_blockdim_cap_reaches_the_launcher():
+    src = generate(PagedAttention(8, 2, 64, 16), "Ascend910B3")
+    host = src.files[f"{src.symbol}_host.cpp"]
+    assert f"{src.symbol}_max_block_dim = 40" in host
+    assert "std::min<int64_t>(t.num_units" in host
+
+
+def test_every_generated_source_passes_gxx_wall_werror(tmp_path):
+    for i, op in enumerate(VARIANTS):
+        src = generate(op)
+        d = tmp_path / str(i)
+        src.write(d)
+        cmds = build.syntax_check(d, [n for n in src.files if n.endswith(".cpp")])
+        assert all("-Wall -Werror" in c for c in cmds)
+
+
+def test_syntax_check_fails_on_bad_code(tmp_path):
+    (tmp_path / "bad_host.cpp").write_text("int f() { int unused = 1; return 0; }\n")
+    with pytest.raises(build.BuildError, match="unused"):
+        build.syntax_check(tmp_path, ["bad_host.cpp"])
+
+
+def test_cmake_project_and_metadata_say_what_is_verified():
+    op = PagedAttention(8, 2, 128, 128)
+    src = generate(op)
+    cmake = src.files["CMakeLists.txt"]
+    for needle in ("ascendc_library(", "RUN_MODE", "cpu / sim / npu", "tikicpulib", "ascendc.cmake", "ascendcl"):
+        assert needle in cmake
+    kernel = src.files[f"{src.symbol}_kernel.cpp"]
+    assert '#include "kernel_operator.h"' in kernel
+    assert f'extern "C" __global__ __aicore__ void {src.kernel}(' in kernel
+    meta = json.loads(src.files[f"{src.symbol}.json"])
+    assert "not run on NPU hardware" in meta["status"]
+    assert meta["verified"] == "no"  # until build_and_verify ran it
+    assert "roofline" in meta["speed"] and meta["plan"]["ub_bytes"] <= UB_BYTES
+    for name, text in src.files.items():
+        if name.endswith((".cpp", ".h", ".txt")):
+            assert "not run on NPU hardware" in text, name
+
+
+def test_build_and_verify_records_the_emulator_result(tmp_path):
+    op = ReshapeAndCache(4, 64, 16, kv_dtype="int8")
+    entry = build.build_and_verify(op, tmp_path)
+    assert entry["verified"] == "emulator", entry
+    assert entry["checks"] and all(c["ok"] for c in entry["checks"])
+    assert (tmp_path / "CMakeLists.txt").exists() and entry["library"].endswith(".so")
+    meta = json.loads((tmp_path / f"{op.symbol()}.json").read_text())
+    assert meta["verified"] == "emulator"
+    unsupported = build.build_and_verify(PagedAttention(4, 4, 64, 16, kv_dtype="fp8_e4m3"), tmp_path / "x")
+    assert unsupported["verified"].startswith("unsupported:") and "kv_dtype" in unsupported["verified"]
+
+
+def test_roofline_is_an_estimate_from_910b_figures():
+    op = PagedAttention(32, 8, 128, 128)
+    r = roofline_estimate(op, num_tokens=32, kv_len=4096)
+    kv_bytes = 32 * 8 * 4096 * 2 * 128 * 2
+    assert r["measured"] is False and r["bytes"] >= kv_bytes
+    assert r["seconds"] == pytest.approx(r["bytes"] / 1.6e12)
