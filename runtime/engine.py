@@ -1,0 +1,228 @@
+"""The serving loop: add requests, then step = schedule -> execute -> sample -> update -> stop checks.
+
+Stop conditions: max_tokens (the scheduler's), EOS unless ignore_eos, stop_token_ids, stop
+strings (output text is cut where the stop string begins).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from .executor import Executor
+from .kernels import KernelOps, make_backend
+from .loader import load
+from .model import LlamaForCausalLM
+from .sampling import Sampler
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import SamplingParams, Sequence
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)  # sample i of n
+    texts: dict[int, str] = field(default_factory=dict)  # seq_id -> final text
+
+
+@dataclass
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str | None = None          # default: float32 on the CPU, the checkpoint's 16-bit type on CUDA
+    kernel_backend: str = "auto"      # auto | tvm-cpu | cuda | reference
+    kv_cache_bytes: int | None = None  # KV budget when num_pages is not given
+    seed: int = 0                     # seeds of requests that bring none
+    cpu_threads: int | None = None    # torch.set_num_threads (process-wide); None leaves torch's default
+
+
+def _pick_dtype(ec: EngineConfig, checkpoint_dtype: str) -> torch.dtype:
+    if ec.dtype is not None:
+        if ec.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {ec.dtype!r}")
+        return DTYPES[ec.dtype]
+    if ec.device == "cpu":
+        return torch.float32
+    return torch.bfloat16 if checkpoint_dtype == "bfloat16" else torch.float16
+
+
+class Engine:
+    def __init__(self, model: str, engine_config: EngineConfig | None = None, **scheduler_kwargs):
+        ec = self.engine_config = engine_config or EngineConfig()
+        if ec.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {ec.device!r}")
+        if ec.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA GPU")
+        if ec.cpu_threads is not None:
+            torch.set_num_threads(ec.cpu_threads)  # tiny models on a busy CPU run faster on one thread
+        loaded = load(model)
+        cfg, self.tokenizer = loaded.config, loaded.tokenizer
+        self.dtype = _pick_dtype(ec, cfg.torch_dtype)
+        self.model = LlamaForCausalLM.from_weights(cfg, loaded.weights, ec.device, self.dtype)
+        del loaded
+        sc = self._scheduler_config(cfg, scheduler_kwargs)
+        self.scheduler = Scheduler(sc)
+        ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sc.page_size, self.dtype,
+                                  cfg.sliding_window)
+        self.kernels = make_backend(ec.kernel_backend, ops, ec.device)
+        self.executor = Executor(self.model, self.kernels, sc.num_pages, sc.num_cpu_pages, sc.page_size,
+                                 ec.device, self.dtype)
+        self.sampler = Sampler(ec.seed)
+        self.requests: dict[int, Request] = {}
+        self._seq_request: dict[int, tuple[Request, int]] = {}  # seq_id -> (request, sample index)
+        self._ids = itertools.count()
+
+    # ---- construction ---------------------------------------------------------------------------
+    def _scheduler_config(self, cfg, kw: dict) -> SchedulerConfig:
+        names = {f.name for f in fields(SchedulerConfig)}
+        unknown = sorted(set(kw) - names)
+        if unknown:
+            raise TypeError(f"unknown engine arguments {unknown}; scheduler options are {sorted(names)}")
+        kw = dict(kw)
+        P = kw.setdefault("page_size", 16)
+        max_len = min(kw.get("max_model_len") or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if kw.get("num_pages") is None:
+            page_bytes = cfg.num_layers * 2 * P * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+            budget = self.engine_config.kv_cache_bytes or self._default_kv_budget()
+            want = kw.get("max_num_seqs", 32) * -(-max_len // P)  # every running sequence at full length
+            kw["num_pages"] = max(1, min(want, budget // page_bytes))
+        kw.setdefault("num_cpu_pages", kw["num_pages"] if kw.get("preemption") == "swap" else 0)
+        kw["max_model_len"] = min(max_len, kw["num_pages"] * P)
+        return SchedulerConfig(**kw)
+
+    def _default_kv_budget(self) -> int:
+        if self.engine_config.device == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            return int(free * 0.6)
+        return 512 << 20
+
+    # ---- requests -------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the model has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids, text = list(prompt), None
+        else:
+            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        V = self.model.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {V})")
+        return text, ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0) -> int:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self.encode_prompt(prompt)
+        rid = next(self._ids)
+        req = Request(rid, text, ids, params)
+        seq = Sequence(rid, list(ids), len(ids), params, priority=priority)
+        self.scheduler.add(seq)
+        req.seqs = [seq] + (self.scheduler.fork(seq, params.n) if params.n > 1 else [])
+        for i, s in enumerate(req.seqs):
+            self._seq_request[s.seq_id] = (req, i)
+        self.requests[rid] = req
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        req = self.requests.get(request_id)
+        for seq in req.seqs if req else []:
+            if not seq.is_finished:
+                self.scheduler.abort(seq.seq_id)
+                self._finalize(seq)
+
+    def release(self, request_id: int) -> None:
+        """Forget a finished request's bookkeeping."""
+        req = self.requests.pop(request_id)
+        for seq in req.seqs:
+            self._seq_request.pop(seq.seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
+            return []
+        seqs, logits = self.executor.execute(batch)
+        sampled = self.sampler.sample(seqs, logits)
+        self.scheduler.update(batch, sampled)
+        done = []
+        for seq in seqs:
+            reason = None if seq.is_finished else self._stop_reason(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            if seq.is_finished:
+                self._finalize(seq)
+                req = self._seq_request[seq.seq_id][0]
+                if all(s.is_finished for s in req.seqs):
+                    done.append(self.output(req.request_id))
+        return done
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        p, last = seq.params, seq.token_ids[-1]
+        if not p.ignore_eos and last in self.model.cfg.eos_token_ids:
+            return "stop"
+        if p.stop_token_ids and last in p.stop_token_ids:
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode_continuation(seq.prompt_token_ids, seq.output_token_ids)
+            if any(s in text for s in p.stop):
+                return "stop"
+        return None
+
+    def _finalize(self, seq: Sequence) -> None:
+        """Final text: decoded output, cut at the first stop string."""
+        self.sampler.release(seq)
+        req, _ = self._seq_request[seq.seq_id]
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode_continuation(seq.prompt_token_ids, seq.output_token_ids)
+            cuts = [text.find(s) for s in (seq.params.stop or []) if s in text]
+            if cuts:
+                text = text[:min(cuts)]
+                seq.finish_reason = "stop"  # a stop string wins over max_tokens reached in the same step
+        req.texts[seq.seq_id] = text
+
+    def output(self, request_id: int) -> RequestOutput:
+        req = self.requests[request_id]
+        outs = [CompletionOutput(i, req.texts.get(s.seq_id, ""), list(s.output_token_ids), s.finish_reason)
+                for i, s in enumerate(req.seqs)]
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
+                             all(s.is_finished for s in req.seqs))
+
+    def run_until_done(self) -> None:
+        while self.has_unfinished():
+            self.step()

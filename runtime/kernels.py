@@ -1,0 +1,166 @@
+"""Kernel backends for the runtime: the four ops the executor launches, one interface.
+
+  tvm-cpu    TVM-LLVM kernels from uacompile.lower (the shipped CPU path)
+  cuda       the generated CUDA kernels (uacompile.targets.cuda), cffi launchers on torch's stream
+  reference  uacompile.reference in numpy float64 (slow; an explicit choice for debugging)
+
+Every call takes keyword tensors named as in op.params(); sizes are bound from the shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import ir, reference
+
+TORCH_TO_IR = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+BACKENDS = ("tvm-cpu", "cuda", "reference")
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The op variants a model needs, built in one place from its shape."""
+
+    attention: ir.PagedAttention
+    cache_write: ir.ReshapeAndCache
+    copy: ir.CopyBlocks
+    swap: ir.SwapBlocks
+
+    @classmethod
+    def for_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                  sliding_window: int = 0) -> "KernelOps":
+        if dtype not in TORCH_TO_IR:
+            raise TypeError(f"dtype must be one of {list(TORCH_TO_IR)}, got {dtype}")
+        dt = TORCH_TO_IR[dtype]
+        return cls(ir.PagedAttention(num_heads, num_kv_heads, head_dim, page_size, q_dtype=dt, kv_dtype=dt,
+                                     window=sliding_window),
+                   ir.ReshapeAndCache(num_kv_heads, head_dim, page_size, dtype=dt, kv_dtype=dt),
+                   ir.CopyBlocks(num_kv_heads, head_dim, page_size, kv_dtype=dt),
+                   ir.SwapBlocks(num_kv_heads, head_dim, page_size, kv_dtype=dt))
+
+
+def bind_sizes(op: ir.OpSpec, tensors: dict) -> dict[str, int]:
+    """Symbolic dims of op from the tensors' shapes; ValueError on a mismatch (names the tensor)."""
+    sizes: dict[str, int] = {}
+    for p in op.tensors():
+        t = tensors.get(p.name)
+        if t is None:
+            if p.optional:
+                continue
+            raise ValueError(f"{op.kind}: missing tensor {p.name!r}")
+        if len(t.shape) != len(p.shape):
+            raise ValueError(f"{op.kind}: {p.name} must have {len(p.shape)} dims {p.shape}, got {tuple(t.shape)}")
+        for want, got in zip(p.shape, t.shape):
+            if isinstance(want, str):
+                if sizes.setdefault(want, int(got)) != int(got):
+                    raise ValueError(f"{op.kind}: {p.name} has {want}={int(got)}, other tensors say {sizes[want]}")
+            elif want != int(got):
+                raise ValueError(f"{op.kind}: {p.name} must have shape {p.shape}, got {tuple(t.shape)}")
+    return sizes
+
+
+class KernelBackend:
+    name = "base"
+
+    def __init__(self, ops: KernelOps):
+        self.ops = ops
+
+    def run(self, op: ir.OpSpec, **tensors) -> None:
+        raise NotImplementedError
+
+    # the executor's four calls
+    def reshape_and_cache(self, k, v, slot_mapping, k_cache, v_cache) -> None:
+        self.run(self.ops.cache_write, k=k, v=v, slot_mapping=slot_mapping, k_cache=k_cache, v_cache=v_cache)
+
+    def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out) -> None:
+        self.run(self.ops.attention, q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq,
+                 page_table=page_table, token_kv_len=token_kv_len, out=out)
+
+    def copy_blocks(self, kv, mapping) -> None:
+        self.run(self.ops.copy, kv=kv, mapping=mapping)
+
+    def swap_blocks(self, src, dst, mapping) -> None:
+        self.run(self.ops.swap, src=src, dst=dst, mapping=mapping)
+
+
+class ReferenceBackend(KernelBackend):
+    """numpy float64 reference; works on CPU tensors in place through shared memory."""
+
+    name = "reference"
+
+    def run(self, op, **tensors):
+        bind_sizes(op, tensors)
+        arrays = {}
+        for k, t in tensors.items():
+            if t.device.type != "cpu" or t.dtype == torch.bfloat16:
+                raise TypeError(f"reference backend: {k} must be a CPU fp32/fp16/int tensor, "
+                                f"got {t.dtype} on {t.device}")
+            arrays[k] = t.numpy()  # a view: in-place writes land in the torch tensor
+        if op.kind == "paged_attention":
+            out = arrays.pop("out")
+            # hand the reference only the pages in use (it converts whole caches to float64)
+            table = arrays["page_table"]
+            used = np.unique(table[table >= 0])
+            remap = np.full(int(used.max(initial=0)) + 1, -1, dtype=np.int32)
+            remap[used] = np.arange(len(used), dtype=np.int32)
+            arrays["page_table"] = np.where(table >= 0, remap[np.maximum(table, 0)], -1).astype(np.int32)
+            arrays["k_cache"], arrays["v_cache"] = arrays["k_cache"][used], arrays["v_cache"][used]
+            o, _ = reference.paged_attention(op, **arrays)
+            out[...] = o
+        else:
+            reference.run(op, **arrays)
+
+
+class TVMCPUBackend(KernelBackend):
+    """TVM-LLVM kernels (uacompile.lower.tvm_build.cpu_kernel), built once per op and cached on disk."""
+
+    name = "tvm-cpu"
+
+    def __init__(self, ops: KernelOps):
+        super().__init__(ops)
+        try:
+            from ..lower.tvm_build import cpu_kernel
+        except ImportError as e:
+            raise NotImplementedError(f"tvm-cpu backend: uacompile.lower.tvm_build is not available ({e})") from None
+        self.fns = {op.kind: cpu_kernel(op) for op in (ops.attention, ops.cache_write, ops.copy, ops.swap)}
+
+    def run(self, op, **tensors):
+        self.fns[op.kind](**tensors)  # checks shapes, dtypes and layout itself
+
+
+class CUDABackend(KernelBackend):
+    """Generated CUDA kernels (Jinja templates, nvcc, cffi) through uacompile.targets.cuda: launched on
+    torch's current stream; attention picks split-KV per step shape."""
+
+    name = "cuda"
+
+    def __init__(self, ops: KernelOps):
+        super().__init__(ops)
+        try:
+            from ..targets.cuda import api, attention
+        except ImportError as e:
+            raise NotImplementedError(f"cuda backend: uacompile.targets.cuda is not available ({e})") from None
+        attention.check(ops.attention)  # IRError naming the field the CUDA template does not cover
+        api.preload([ops.attention, ops.cache_write, ops.copy, ops.swap])  # one nvcc run per kind, cached
+        self.api, self.attention = api, attention
+
+    def run(self, op, **tensors):
+        if op.kind == "paged_attention":
+            out = tensors.pop("out")
+            self.attention.paged_attention(op, out=out, **tensors)
+        else:
+            self.api.kernel(op)(**tensors)  # checks names, dtypes, shapes, devices itself
+
+
+def make_backend(name: str, ops: KernelOps, device: str) -> KernelBackend:
+    if name == "auto":
+        name = "cuda" if device == "cuda" else "tvm-cpu"
+    if name not in BACKENDS:
+        raise ValueError(f"kernel_backend must be one of {('auto',) + BACKENDS}, got {name!r}")
+    if name == "cuda" and device != "cuda":
+        raise ValueError("kernel_backend='cuda' needs device='cuda'")
+    if name != "cuda" and device == "cuda":
+        raise ValueError(f"kernel_backend={name!r} runs on the CPU; use device='cpu' or kernel_backend='cuda'")
+    return {"reference": ReferenceBackend, "tvm-cpu": TVMCPUBackend, "cuda": CUDABackend}[name](ops)

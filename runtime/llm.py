@@ -1,0 +1,58 @@
+"""The offline API: LLM(model=PATH, device=...).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from .engine import CompletionOutput, Engine, EngineConfig, RequestOutput
+from .sequence import SamplingParams
+
+ENGINE_OPTIONS = {f.name for f in fields(EngineConfig)}
+
+
+class LLM:
+    """Generate from a GGUF file or a Hugging Face directory.
+
+    Engine options: device ("cpu" | "cuda"), dtype, kernel_backend ("auto" | "tvm-cpu" | "cuda" |
+    "reference"), kv_cache_bytes, seed. Everything else goes to SchedulerConfig (page_size,
+    num_pages, num_cpu_pages, max_num_seqs, max_num_batched_tokens, max_prefill_chunk, policy,
+    preemption, enable_prefix_caching, max_model_len).
+    """
+
+    def __init__(self, model: str, device: str = "cpu", **kwargs):
+        engine_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in ENGINE_OPTIONS}
+        self.engine = Engine(model, EngineConfig(device=device, **engine_kw), **kwargs)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 priorities: list[int] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. Returns one RequestOutput per
+        prompt, in order; all prompts are batched together (continuous batching)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty string, token-id list, or list of them")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        priorities = priorities or [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priorities has {len(priorities)} entries for {len(prompts)} prompts")
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p, prio in zip(prompts, params, priorities):
+                ids.append(engine.add_request(prompt, p, prio))
+            engine.run_until_done()
+        except BaseException:
+            for rid in ids:  # leave the engine clean for the next call
+                engine.abort(rid)
+                engine.release(rid)
+            raise
+        outs = [engine.output(rid) for rid in ids]
+        for rid in ids:
+            engine.release(rid)
+        return outs
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

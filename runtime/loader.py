@@ -1,0 +1,231 @@
+"""Load a Llama-family model: GGUF (llama.cpp) or a Hugging Face directory.
+
+Both produce (ModelConfig, weights by HF name as torch tensors, tokenizer). GGUF tensors are
+dequantised at load (F32, F16, BF16, Q8_0) and Q/K rows are un-permuted from llama.cpp's
+interleaved rotary layout back to the rotate-half layout the model uses.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .model import ModelConfig
+from .tokenizer import Tokenizer, hf_tokenizer, spm_from_gguf_fields
+
+HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_ARCHS = ("llama",)
+GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0")
+# GGUF tensor name -> HF name ({i} = layer)
+GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def models_dir() -> Path:
+    """Where the shared test/demo models live: $UACOMPILE_MODELS_DIR, else ../shared/models beside the repo."""
+    env = os.environ.get("UACOMPILE_MODELS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "models"
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None
+
+
+def load(path: str | Path) -> LoadedModel:
+    """A .gguf file or a HF directory (config.json + *.safetensors [+ tokenizer.json])."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model path does not exist: {p}")
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        if (p / "config.json").exists():
+            return load_hf(p)
+        if len(ggufs) == 1:
+            return load_gguf(ggufs[0])
+        raise ValueError(f"{p}: expected config.json (Hugging Face) or a single .gguf file in the directory")
+    return load_gguf(p)
+
+
+# ---------------------------------------------------------------- GGUF
+def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert permute: per head, rows (pair j, half h) -> (half h, pair j)."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensor(t) -> np.ndarray:
+    """Dequantise one GGUF tensor to float32 in numpy (row-major) shape."""
+    import gguf
+
+    kind = t.tensor_type.name
+    if kind not in GGUF_TENSOR_TYPES:
+        raise ValueError(f"GGUF tensor {t.name}: type {kind} is not supported (supported: {GGUF_TENSOR_TYPES})")
+    shape = tuple(int(d) for d in reversed(t.shape))
+    data = np.asarray(t.data)
+    if kind in ("F32", "F16"):
+        out = data.astype(np.float32)
+    else:  # BF16 / Q8_0 arrive as raw bytes
+        out = gguf.quants.dequantize(data, t.tensor_type).astype(np.float32)
+    if out.size != int(np.prod(shape)):
+        raise ValueError(f"GGUF tensor {t.name}: {out.size} elements, header says shape {shape} (corrupt file?)")
+    return out.reshape(shape)
+
+
+def load_gguf(path: Path) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        fields = {k: f.contents() for k, f in reader.fields.items()}
+    except Exception as e:  # bad magic, truncated file, bad offsets...
+        raise ValueError(f"{path}: not a readable GGUF file, corrupt or truncated ({type(e).__name__}: {e})") from None
+    arch = fields.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {GGUF_ARCHS})")
+
+    def get(key, default=None, required=False):
+        v = fields.get(f"{arch}.{key}", default)
+        if v is None and required:
+            raise ValueError(f"{path}: GGUF metadata {arch}.{key} is missing")
+        return v
+
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: GGUF has no token_embd.weight tensor")
+    E, H = int(get("embedding_length", required=True)), int(get("attention.head_count", required=True))
+    Hkv = int(get("attention.head_count_kv", H))
+    D = int(get("attention.key_length", E // H))
+    if int(get("attention.value_length", D)) != D:
+        raise ValueError(f"{path}: key_length != value_length is not supported")
+    if int(get("rope.dimension_count", D)) != D:
+        raise ValueError(f"{path}: partial rotary (rope.dimension_count {get('rope.dimension_count')} < head_dim {D}) "
+                         "is not supported")
+    rope_scaling = None
+    kind = get("rope.scaling.type", "none")
+    if kind == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
+    elif kind not in ("none", None):
+        raise ValueError(f"{path}: GGUF rope scaling {kind!r} is not supported (supported: none, linear)")
+    tokenizer = spm_from_gguf_fields(fields) if "tokenizer.ggml.tokens" in fields else None
+    vocab = int(tensors["token_embd.weight"].shape[1])
+    n_layers = int(get("block_count", required=True))
+    weights = {}
+    for name, t in tensors.items():
+        hf = _gguf_to_hf(name, n_layers)
+        if hf is None:
+            raise ValueError(f"{path}: unexpected GGUF tensor {name!r} for architecture {arch}")
+        w = gguf_tensor(t)
+        if ".attn_q." in name:
+            w = unpermute_rope(w, H)
+        elif ".attn_k." in name:
+            w = unpermute_rope(w, Hkv)
+        weights[hf] = torch.from_numpy(np.ascontiguousarray(w))
+    cfg = ModelConfig(
+        arch=arch, vocab_size=vocab, hidden_size=E, intermediate_size=int(get("feed_forward_length", required=True)),
+        num_layers=n_layers, num_heads=H, num_kv_heads=Hkv, head_dim=D,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling, max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors, o_bias="blk.0.attn_output.bias" in tensors,
+        rope_freq_factors="rope_freqs.weight" in tensors,
+        bos_token_id=tokenizer.bos_token_id if tokenizer else None,
+        eos_token_ids=tokenizer.eos_token_ids if tokenizer else ())
+    return LoadedModel(cfg, weights, tokenizer)
+
+
+def _gguf_to_hf(name: str, n_layers: int) -> str | None:
+    if name in GGUF_NAMES:
+        return GGUF_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers:
+        hf = GGUF_NAMES.get(f"blk.{{i}}.{parts[2]}")
+        return hf.format(i=parts[1]) if hf else None
+    return None
+
+
+# ---------------------------------------------------------------- Hugging Face
+def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from transformers 5's rope_parameters or the older rope_theta/rope_scaling."""
+    rp = dict(cfg.get("rope_parameters") or {})
+    rs = dict(cfg.get("rope_scaling") or {})
+    theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    merged = {**rs, **rp}
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    merged["rope_type"] = kind
+    return theta, merged
+
+
+def load_hf(model_dir: Path) -> LoadedModel:
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{model_dir}/config.json: invalid JSON ({e})") from None
+    arch = raw.get("model_type")
+    if arch not in HF_ARCHS:
+        raise ValueError(f"{model_dir}: model_type {arch!r} is not supported (supported: {HF_ARCHS})")
+    if raw.get("use_sliding_window"):
+        raise ValueError(f"{model_dir}: {arch} with use_sliding_window=true is not supported")
+    H = raw["num_attention_heads"]
+    theta, scaling = _hf_rope(raw)
+    eos = raw.get("eos_token_id")
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+    eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+    window = raw.get("sliding_window") if arch == "mistral" else None
+    cfg = ModelConfig(
+        arch=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"], num_heads=H,
+        num_kv_heads=raw.get("num_key_value_heads") or H,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // H, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, rope_scaling=scaling, max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), qk_norm=arch == "qwen3",
+        qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        o_bias=arch != "qwen2" and bool(raw.get("attention_bias", False)), mlp_bias=bool(raw.get("mlp_bias", False)),
+        sliding_window=int(window or 0), bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
+        torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"))
+    return LoadedModel(cfg, _read_safetensors(model_dir), hf_tokenizer(model_dir, eos_ids, cfg.bos_token_id))
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        extra = " (pytorch_model.bin is not supported; convert to safetensors)" if any(model_dir.glob("*.bin")) else ""
+        raise ValueError(f"{model_dir}: no *.safetensors weights{extra}")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(load_file(str(f)))
+        except Exception as e:
+            raise ValueError(f"{f}: cannot read safetensors ({type(e).__name__}: {e})") from None
+    # checkpoints of older transformers carry the rotary table; it is recomputed
+    return {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}

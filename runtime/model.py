@@ -1,0 +1,227 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) in torch.
+
+Parameter names follow Hugging Face's checkpoints, so a HF state dict loads as is and the
+GGUF loader only renames. Matmuls, norms and the MLP are torch; K/V writes and attention
+go through the kernel backend (one paged-attention launch per layer for the whole batch).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    arch: str  # llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False      # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    qkv_bias: bool = False     # Qwen2, Llama attention_bias
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int = 0    # 0 = full attention (Mistral v0.1 uses 4096)
+    rope_freq_factors: bool = False  # GGUF rope_freqs tensor (llama3 scaling baked per frequency)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    torch_dtype: str = "float32"  # the checkpoint's dtype
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"model config: {name} must be a positive int, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        rtype = (self.rope_scaling or {}).get("rope_type", "default")
+        if rtype not in ROPE_TYPES:
+            raise ValueError(f"model config: rope scaling {rtype!r} is not supported (supported: {ROPE_TYPES})")
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Per-pair inverse frequencies [head_dim/2] (float64), with transformers' rope scaling rules."""
+    D = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / float(rs["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old_ctx = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in float32, then back, as transformers does
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotate-half on x [T, H, D]; cos/sin [T, 1, D/2]."""
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.layer, self.H, self.Hkv, self.D = layer, H, Hkv, D
+        self.q_proj = nn.Linear(E, H * D, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(E, Hkv * D, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(E, Hkv * D, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(H * D, E, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(D, cfg.rms_norm_eps), RMSNorm(D, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, attn) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.H, self.D)
+        k = self.k_proj(x).view(T, self.Hkv, self.D)
+        v = self.v_proj(x).view(T, self.Hkv, self.D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn(self.layer, q, k, v)  # cache write + one paged-attention launch
+        return self.o_proj(out.reshape(T, self.H * self.D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, F_ = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(E, F_, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(E, F_, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(F_, E, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], attn) -> hidden [T, E]; logits(hidden rows) -> [N, V] float32.
+
+    attn(layer, q, k, v) -> out [T, Hq, D] is the executor's per-step attention callback.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if cfg.rope_freq_factors:  # GGUF rope_freqs: llama.cpp divides each frequency by its factor
+            self.register_buffer("rope_freqs", torch.ones(cfg.head_dim // 2, dtype=torch.float32))
+        self.inv_freq = rope_inv_freq(cfg)  # float64, deliberately not a buffer: .to(dtype) must not round it
+
+    def _refresh_rope(self) -> None:
+        inv = rope_inv_freq(self.cfg)
+        if self.cfg.rope_freq_factors:
+            inv = inv / self.rope_freqs.to(torch.float64).cpu()
+        self.inv_freq = inv.to(self.model.embed_tokens.weight.device)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        ang = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # float64: exact at long positions
+        return ang.cos().to(dtype)[:, None, :], ang.sin().to(dtype)[:, None, :]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope_tables(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], device="cpu",
+                     dtype: torch.dtype = torch.float32) -> "LlamaForCausalLM":
+        with torch.device("meta"):  # skip the random init of weights that are overwritten anyway
+            model = cls(cfg)
+        model = model.to_empty(device="cpu")
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.load_weights(weights)
+        model._refresh_rope()  # rope_freqs were just loaded, at full precision
+        model = model.to(device=device, dtype=dtype).eval()
+        model.inv_freq = model.inv_freq.to(device)
+        return model
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Strict load by HF name: a missing or unexpected tensor, or a wrong shape, is a ValueError."""
+        own = dict(self.named_parameters())
+        own.update({n: b for n, b in self.named_buffers() if n == "rope_freqs"})
+        if self.cfg.tie_word_embeddings:
+            own.pop("lm_head.weight", None)
+            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        missing = sorted(set(own) - set(weights))
+        unexpected = sorted(set(weights) - set(own))
+        for what, names in (("is missing", missing), ("has unexpected", unexpected)):
+            if names:
+                raise ValueError(f"checkpoint {what} tensors: {names[:5]}{' ...' if len(names) > 5 else ''}")
+        with torch.no_grad():
+            for name, t in own.items():
+                w = weights[name]
+                if tuple(w.shape) != tuple(t.shape):
+                    raise ValueError(f"tensor {name}: shape {tuple(w.shape)} does not match the config's "
+                                     f"{tuple(t.shape)}")
+                t.copy_(w.to(t.dtype))

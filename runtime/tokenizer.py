@@ -1,0 +1,198 @@
+"""Tokenizers: llama.cpp's SentencePiece-style (SPM) vocab from a GGUF, and HF tokenizer.json.
+
+Both expose encode(text) -> ids (with BOS when the model wants it), decode(ids) -> str
+(special tokens skipped) and decode_continuation(context, new) for output text.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+from pathlib import Path
+
+SPACE = "\u2581"  # SentencePiece's visible space
+# GGUF token types (llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+
+class Tokenizer:
+    """Shared interface. Subclasses set bos_token_id, eos_token_ids, add_bos, vocab_size."""
+
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    add_bos: bool = True
+    vocab_size: int = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+    def decode_continuation(self, context: list[int], new: list[int]) -> str:
+        """Text that `new` adds after `context` (keeps the word-leading spaces a bare decode drops)."""
+        ctx = list(context[-8:])  # a few tokens of context are enough to settle leading spaces
+        return self.decode(ctx + list(new))[len(self.decode(ctx)):]
+
+
+class SPMTokenizer(Tokenizer):
+    """llama.cpp's `llama` (SPM) tokenizer: highest-score bigram merges over UTF-8 characters,
+    unknown characters fall back to <0xNN> byte tokens, ' ' is escaped to '\u2581' and a
+    space is prefixed to the text (add_space_prefix)."""
+
+    def __init__(self, tokens: list[str], scores: list[float], types: list[int], bos_token_id: int | None,
+                 eos_token_id: int | None, unk_token_id: int | None = None, add_bos: bool = True,
+                 add_eos: bool = False, add_space_prefix: bool = True):
+        if not (len(tokens) == len(scores) == len(types)):
+            raise ValueError(f"tokenizer: tokens/scores/types lengths differ "
+                             f"({len(tokens)}, {len(scores)}, {len(types)})")
+        self.tokens, self.scores, self.types = list(tokens), [float(s) for s in scores], [int(t) for t in types]
+        self.vocab_size = len(tokens)
+        self.token_to_id: dict[str, int] = {}
+        for i, t in enumerate(self.tokens):
+            self.token_to_id.setdefault(t, i)  # first id wins on duplicates, as in llama.cpp
+        self.bos_token_id, self.unk_token_id = bos_token_id, unk_token_id
+        self.eos_token_ids = (eos_token_id,) if eos_token_id is not None else ()
+        self.add_bos, self.add_eos, self.add_space_prefix = add_bos, add_eos, add_space_prefix
+        self._byte_ids = [self._byte_token(b) for b in range(256)]
+
+    def _byte_token(self, b: int) -> int | None:
+        tid = self.token_to_id.get(f"<0x{b:02X}>")
+        if tid is None and b < 128:
+            tid = self.token_to_id.get(chr(b))
+        return tid
+
+    def _tokenize(self, text: str) -> list[int]:
+        # symbols: a doubly linked list of UTF-8 characters, merged in place
+        syms = list(text)
+        prev = list(range(-1, len(syms) - 1))
+        nxt = list(range(1, len(syms) + 1))
+        nxt[-1] = -1
+        heap: list[tuple[float, int, int, int]] = []
+
+        def try_bigram(left: int, right: int):
+            if left < 0 or right < 0:
+                return
+            merged = syms[left] + syms[right]
+            tid = self.token_to_id.get(merged)
+            if tid is not None:
+                # highest score first, then leftmost (llama.cpp's comparator)
+                heapq.heappush(heap, (-self.scores[tid], left, right, len(merged)))
+
+        for i in range(1, len(syms)):
+            try_bigram(i - 1, i)
+        while heap:
+            _, left, right, size = heapq.heappop(heap)
+            if not syms[left] or not syms[right] or len(syms[left]) + len(syms[right]) != size:
+                continue  # stale: one side was merged away since
+            syms[left], syms[right] = syms[left] + syms[right], ""
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prev[nxt[right]] = left
+            try_bigram(prev[left], left)
+            try_bigram(left, nxt[left])
+
+        out, i = [], 0
+        while i != -1:
+            tid = self.token_to_id.get(syms[i])
+            if tid is not None:
+                out.append(tid)
+            else:  # a character outside the vocab: its UTF-8 bytes as byte tokens
+                for b in syms[i].encode("utf-8"):
+                    bt = self._byte_ids[b]
+                    if bt is None:
+                        if self.unk_token_id is None:
+                            raise ValueError(f"tokenizer: no token for byte 0x{b:02X} and no unknown token")
+                        bt = self.unk_token_id
+                    out.append(bt)
+            i = nxt[i]
+        return out
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        ids = [self.bos_token_id] if add_special_tokens and self.add_bos and self.bos_token_id is not None else []
+        if text:
+            if self.add_space_prefix:
+                text = " " + text
+            ids += self._tokenize(text.replace(" ", SPACE))
+        if add_special_tokens and self.add_eos and self.eos_token_ids:
+            ids.append(self.eos_token_ids[0])
+        return ids
+
+    def _piece(self, tid: int) -> bytes:
+        if not 0 <= tid < self.vocab_size:
+            raise ValueError(f"token id {tid} is outside the vocabulary [0, {self.vocab_size})")
+        kind, text = self.types[tid], self.tokens[tid]
+        if kind == BYTE:
+            return bytes([int(text[3:-1], 16)])
+        if kind in (CONTROL, UNUSED):
+            return b""
+        if kind == UNKNOWN:
+            return "\u2585".encode()  # llama.cpp renders unknown as a block
+        return text.replace(SPACE, " ").encode("utf-8")
+
+    def decode(self, ids: list[int]) -> str:
+        text = b"".join(self._piece(int(t)) for t in ids).decode("utf-8", errors="replace")
+        # SentencePiece drops the space it prefixed on encode
+        return text[1:] if self.add_space_prefix and text.startswith(" ") else text
+
+
+class HFTokenizer(Tokenizer):
+    """tokenizer.json through the `tokenizers` library; its post-processor adds BOS when the model wants it."""
+
+    def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = (), bos_token_id: int | None = None):
+        from tokenizers import Tokenizer as _Tok
+
+        try:
+            self.tok = _Tok.from_file(str(path))
+        except Exception as e:
+            raise ValueError(f"{path}: cannot read tokenizer ({e})") from None
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id, self.eos_token_ids = bos_token_id, tuple(eos_token_ids)
+        self.add_bos = bos_token_id is not None and bos_token_id in self.tok.encode("a", add_special_tokens=True).ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode([int(t) for t in ids], skip_special_tokens=True)
+
+
+def spm_from_gguf_fields(fields: dict) -> SPMTokenizer:
+    """Build the tokenizer from GGUF metadata (already read into plain Python values)."""
+    model = fields.get("tokenizer.ggml.model")
+    if model != "llama":
+        raise ValueError(f"GGUF tokenizer.ggml.model {model!r} is not supported (only 'llama', SentencePiece-style)")
+
+    def tid(key):
+        v = fields.get(key)
+        return int(v) if v is not None and 0 <= int(v) < len(fields["tokenizer.ggml.tokens"]) else None
+
+    tokens = fields["tokenizer.ggml.tokens"]
+    return SPMTokenizer(
+        tokens, fields.get("tokenizer.ggml.scores", [0.0] * len(tokens)),
+        fields.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)),
+        bos_token_id=tid("tokenizer.ggml.bos_token_id"), eos_token_id=tid("tokenizer.ggml.eos_token_id"),
+        unk_token_id=tid("tokenizer.ggml.unknown_token_id"),
+        add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", True)),
+        add_eos=bool(fields.get("tokenizer.ggml.add_eos_token", False)),
+        add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", True)))
+
+
+def hf_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...], bos_token_id: int | None) -> HFTokenizer | None:
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        return None
+    # tokenizer_config.json may name BOS/EOS by text; the ids in config.json are the default
+    cfg_path = model_dir / "tokenizer_config.json"
+    tok = HFTokenizer(path, eos_token_ids, bos_token_id)
+    if cfg_path.exists():
+        cfg = json.loads(cfg_path.read_text())
+        eos = cfg.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        eos_id = tok.tok.token_to_id(eos) if isinstance(eos, str) else None
+        if eos_id is not None and eos_id not in tok.eos_token_ids:
+            tok.eos_token_ids = tok.eos_token_ids + (eos_id,)
+    return tok

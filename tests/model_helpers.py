@@ -1,0 +1,76 @@
+"""Helpers for the runtime model tests: tiny random HF checkpoints and per-position runtime logits."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from uacompile.runtime.scheduler import ScheduledBatch
+from uacompile.runtime.sequence import SamplingParams, Sequence
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+            bos_token_id=1, eos_token_id=2)
+
+
+def hf_classes(arch: str):
+    import transformers as tf
+
+    return {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[arch]
+
+
+def make_hf_model(arch: str, seed: int = 0, **overrides):
+    """A random model with weights large enough that attention is far from uniform."""
+    cfg_cls, model_cls = hf_classes(arch)
+    cfg = cfg_cls(**{**TINY, **overrides})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0, 0.2)
+            elif "embed" in name:
+                p.normal_(0, 1.0)
+            else:
+                p.normal_(0, 1.5 / p.shape[1] ** 0.5)
+    return model
+
+
+def hf_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    toks = list(ids)
+    for _ in range(n):
+        toks.append(int(np.argmax(hf_logits(model, toks)[-1])))
+    return toks[len(ids):]
+
+
+def runtime_logits(executor, prompts: list[list[int]], chunks: list[list[int]], rng) -> list[dict[int, np.ndarray]]:
+    """Run prompts together through executor.execute, sequence i in chunks[i] (sizes summing to its
+    length), on scattered pages. Returns, per prompt, {position: logits} at each chunk's last token."""
+    P, num_pages = executor.page_size, executor.kv.shape[2]
+    need = [-(-len(p) // P) for p in prompts]
+    pool = rng.permutation(num_pages)[:sum(need)].tolist()
+    seqs, plans, out = [], [], [dict() for _ in prompts]
+    for i, ids in enumerate(prompts):
+        assert sum(chunks[i]) == len(ids)
+        s = Sequence(i, list(ids), len(ids), SamplingParams())
+        s.block_table = pool[sum(need[:i]):sum(need[:i + 1])]
+        seqs.append(s)
+        plans.append(list(chunks[i]))
+    while any(plans):
+        live = [i for i in range(len(seqs)) if plans[i]]
+        sizes = [plans[i].pop(0) for i in live]
+        batch = ScheduledBatch(seqs=[seqs[i] for i in live], num_new_tokens=sizes, sample=[True] * len(live))
+        got, logits = executor.execute(batch)
+        assert [s.seq_id for s in got] == live
+        for i, n, row in zip(live, sizes, logits):
+            seqs[i].num_computed_tokens += n
+            out[i][seqs[i].num_computed_tokens - 1] = row.double().cpu().numpy()
+    return out
