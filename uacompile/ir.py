@@ -101,6 +101,11 @@ class OpSpec:
     def params(self) -> list[TensorSpec]:
         raise NotImplementedError
 
+    @property
+    def quantized(self) -> bool:
+        """KV stored as int8 / fp8 with per (token, head) scales."""
+        return getattr(self, "kv_dtype", None) in QUANT_DTYPES
+
     def tensors(self) -> list[TensorSpec]:
         return [p for p in self.params() if not p.is_scalar]
 
@@ -177,10 +182,6 @@ class PagedAttention(OpSpec):
     def sm_scale(self) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
 
-    @property
-    def quantized(self) -> bool:
-        return self.kv_dtype in QUANT_DTYPES
-
     def params(self) -> list[TensorSpec]:
         Hq, Hkv, D, P = self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size
         ps = [
@@ -239,10 +240,6 @@ class ReshapeAndCache(OpSpec):
         if self.rope and not self.rope_theta > 0:
             raise IRError(f"{self.kind}.rope_theta", f"must be > 0, got {self.rope_theta}")
 
-    @property
-    def quantized(self) -> bool:
-        return self.kv_dtype in QUANT_DTYPES
-
     def params(self) -> list[TensorSpec]:
         Hkv, D, P = self.num_kv_heads, self.head_dim, self.page_size
         ps = [
@@ -261,14 +258,9 @@ class ReshapeAndCache(OpSpec):
 
 
 @dataclass(frozen=True)
-class CopyBlocks(OpSpec):
-    """Copy whole pages (K, V and scales) of all layers in one launch: mapping[i] = (src, dst).
+class _PageOp(OpSpec):
+    """Fields and checks shared by the ops that move whole pages."""
 
-    The cache of all layers is one tensor kv [num_layers, 2, num_pages, P, Hkv, D]
-    (index 0 = K, 1 = V); scales [num_layers, 2, num_pages, P, Hkv] when quantised.
-    """
-
-    kind: ClassVar[str] = "copy_blocks"
     num_kv_heads: int
     head_dim: int
     page_size: int = 16
@@ -279,9 +271,16 @@ class CopyBlocks(OpSpec):
         _check_pow2(self, "page_size", 1, 256)
         _check_choice(self, "kv_dtype", KV_DTYPES)
 
-    @property
-    def quantized(self) -> bool:
-        return self.kv_dtype in QUANT_DTYPES
+
+@dataclass(frozen=True)
+class CopyBlocks(_PageOp):
+    """Copy whole pages (K, V and scales) of all layers in one launch: mapping[i] = (src, dst).
+
+    The cache of all layers is one tensor kv [num_layers, 2, num_pages, P, Hkv, D]
+    (index 0 = K, 1 = V); scales [num_layers, 2, num_pages, P, Hkv] when quantised.
+    """
+
+    kind: ClassVar[str] = "copy_blocks"
 
     def params(self) -> list[TensorSpec]:
         Hkv, D, P = self.num_kv_heads, self.head_dim, self.page_size
@@ -293,7 +292,7 @@ class CopyBlocks(OpSpec):
 
 
 @dataclass(frozen=True)
-class SwapBlocks(OpSpec):
+class SwapBlocks(_PageOp):
     """Move pages between two caches of the CopyBlocks layout (device <-> pinned host).
 
     dst[:, :, mapping[i, 1]] = src[:, :, mapping[i, 0]] for every layer and K/V, in one
@@ -301,19 +300,6 @@ class SwapBlocks(OpSpec):
     """
 
     kind: ClassVar[str] = "swap_blocks"
-    num_kv_heads: int
-    head_dim: int
-    page_size: int = 16
-    kv_dtype: str = "fp16"
-
-    def __post_init__(self):
-        _check_positive(self, "num_kv_heads", "head_dim", "page_size")
-        _check_pow2(self, "page_size", 1, 256)
-        _check_choice(self, "kv_dtype", KV_DTYPES)
-
-    @property
-    def quantized(self) -> bool:
-        return self.kv_dtype in QUANT_DTYPES
 
     def params(self) -> list[TensorSpec]:
         Hkv, D, P = self.num_kv_heads, self.head_dim, self.page_size
