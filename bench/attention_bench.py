@@ -1,0 +1,332 @@
+"""Attention rows of the kernel benchmark (run on the device; bench/kernels.py calls attention_rows).
+
+    python bench/attention_bench.py [--quick] [--no-flashinfer] [--json PATH]
+
+Shapes are ANCHORS.md's: bf16, Hq 32, Hkv 8, D 128, page 16, pages in random order.
+Decode: effective GB/s = bytes of K and V read / kernel time. Prefill: causal TFLOP/s =
+4 * B * L^2 / 2 * Hq * D / time. Each timing is the median of several replays of a CUDA
+graph holding many calls; inputs rotate over several copies when one copy would fit in L2.
+Every "ours" row is also checked against torch SDPA on the same data (max abs diff).
+FlashInfer 0.2.14 is a peer when its sdist is in .peers/ (set up by JIT: slow first call).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from uacompile import ir
+from uacompile.targets.cuda import attention
+
+HQ, HKV, D, P = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+DECODE_SHAPES = [(8, 16384), (32, 4096), (128, 1024), (1, 32768)]
+PREFILL_SHAPES = [(8, 4096), (2, 16384)]
+L2_BYTES = 60 * 2**20
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def op_of(**kw) -> ir.PagedAttention:
+    return ir.PagedAttention(HQ, HKV, D, P, "bf16", "bf16", **kw)
+
+
+def time_ms(fns, calls_per_fn: int = 1, reps: int = 7) -> float:
+    """Median ms per call of fns (rotated), from CUDA graph replays."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_fn):
+            for f in fns:
+                f()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / (calls_per_fn * len(fns)))
+    return statistics.median(times)
+
+
+class PagedBatch:
+    """One batch of sequences in a paged cache (random page order) plus what peers need."""
+
+    def __init__(self, B: int, L: int, q_len: int, gen: torch.Generator):
+        pages_per_seq = L // P
+        self.B, self.L, self.q_len = B, L, q_len
+        num_pages = B * pages_per_seq
+        self.k_cache = torch.randn((num_pages, P, HKV, D), generator=gen, device="cuda", dtype=DTYPE)
+        self.v_cache = torch.randn((num_pages, P, HKV, D), generator=gen, device="cuda", dtype=DTYPE)
+        perm = torch.randperm(num_pages, generator=gen, device="cuda").to(torch.int32)
+        self.page_table = perm.view(B, pages_per_seq).contiguous()
+        T = B * q_len
+        self.q = torch.randn((T, HQ, D), generator=gen, device="cuda", dtype=DTYPE)
+        self.token_seq = torch.arange(B, device="cuda", dtype=torch.int32).repeat_interleave(q_len)
+        pos = torch.arange(L - q_len + 1, L + 1, device="cuda", dtype=torch.int32)
+        self.token_kv_len = pos.repeat(B).contiguous()
+        self.out = torch.empty_like(self.q)
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.B * self.L * HKV * D * 2
+
+    def args(self):
+        return dict(q=self.q, k_cache=self.k_cache, v_cache=self.v_cache, token_seq=self.token_seq,
+                    page_table=self.page_table, token_kv_len=self.token_kv_len)
+
+    def contiguous_kv(self):
+        """[B, Hkv, L, D] K and V gathered from the pages (the peers' contiguous layout)."""
+        idx = self.page_table.long()
+        k = self.k_cache[idx].view(self.B, self.L, HKV, D).transpose(1, 2).contiguous()
+        v = self.v_cache[idx].view(self.B, self.L, HKV, D).transpose(1, 2).contiguous()
+        return k, v
+
+    def q_bhld(self):
+        return self.q.view(self.B, self.q_len, HQ, D).transpose(1, 2)
+
+
+def sdpa(q, k, v, causal: bool):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def copy_ceiling_gbps() -> float:
+    a = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = time_ms([lambda: b.copy_(a)], calls_per_fn=5)
+    return 2 * a.numel() / ms / 1e6
+
+
+COPY_GBPS = [0.0]  # the run's copy ceiling (bench/kernels.py measures it; else attention_rows does)
+
+
+def _row(op, shape, impl, diff=None, **vals):
+    r = dict(op=op, shape=shape, impl=impl, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in vals.items()})
+    if "gbps" in r and op == "decode" and COPY_GBPS[0]:
+        r["pct_ceiling"] = round(100 * r["gbps"] / COPY_GBPS[0], 1)
+    if diff is not None:
+        r["note"] = f"max abs diff vs torch SDPA {diff:.3g}"
+    return r
+
+
+def decode_rows(gen, splits_sweep=(), unified=False) -> list[dict]:
+    rows = []
+    op = op_of()
+    for B, L in DECODE_SHAPES:
+        copies = max(1, min(4, -(-4 * L2_BYTES // (2 * B * L * HKV * D * 2))))
+        batches = [PagedBatch(B, L, 1, gen) for _ in range(copies)]
+        b0 = batches[0]
+        shape = f"{B}x{L}"
+        k, v = b0.contiguous_kv()
+        want = sdpa(b0.q_bhld(), k, v, False).transpose(1, 2).reshape(b0.q.shape)
+        auto = attention.choose_splits(op, B, B, L)
+        for splits in dict.fromkeys([auto, *splits_sweep]):
+            if splits > 1 and L // splits < 64:
+                continue
+            ms = time_ms([lambda b=b: attention.paged_attention(op, **b.args(), out=b.out, num_splits=splits)
+                          for b in batches], calls_per_fn=10)
+            diff = (b0.out.float() - want.float()).abs().max().item()
+            impl = f"ua splits={splits}" + (" (auto)" if splits == auto else "")
+            rows.append(_row("decode", shape, impl, ms=ms, gbps=b0.kv_bytes / ms / 1e6, diff=diff))
+        kc = [b.contiguous_kv() for b in batches]
+        ms = time_ms([lambda b=b, kv=kv: sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)], calls_per_fn=10)
+        rows.append(_row("decode", shape, "torch SDPA contiguous", ms=ms, gbps=b0.kv_bytes / ms / 1e6))
+        del kc, k, v
+
+        def gather_sdpa(b):
+            kk, vv = b.contiguous_kv()
+            return sdpa(b.q_bhld(), kk, vv, False)
+
+        ms = time_ms([lambda b=b: gather_sdpa(b) for b in batches], calls_per_fn=3)
+        rows.append(_row("decode", shape, "gather + SDPA", ms=ms, gbps=b0.kv_bytes / ms / 1e6))
+        if unified and (B, L) == (8, 16384):
+        # llama.cpp-style unified buffer: every query scans all 8 sequences' cells
+            uop = op_of(variant="unified_masked")
+            ms = time_ms([lambda: attention.paged_attention(uop, **b0.args(), out=b0.out)], calls_per_fn=2)
+            diff = (b0.out.float() - want.float()).abs().max().item()
+            rows.append(_row("decode", shape, "unified_masked", ms=ms, gbps=b0.kv_bytes / ms / 1e6, diff=diff))
+        del batches, b0
+        torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_rows(gen, shapes=PREFILL_SHAPES) -> list[dict]:
+    rows = []
+    op = op_of()
+    for B, L in shapes:
+        b = PagedBatch(B, L, L, gen)
+        flops = 4 * B * L * L / 2 * HQ * D
+        shape = f"{B}x{L} causal"
+        k, v = b.contiguous_kv()
+        want = sdpa(b.q_bhld(), k, v, True)
+        ms = time_ms([lambda: attention.paged_attention(op, **b.args(), out=b.out, num_splits=1)], calls_per_fn=2)
+        diff = (b.out.view(B, L, HQ, D).transpose(1, 2).float() - want.float()).abs().max().item()
+        rows.append(_row("prefill", shape, "ua", ms=ms, tflops=flops / ms / 1e9, diff=diff))
+        ms = time_ms([lambda: sdpa(b.q_bhld(), k, v, True)], calls_per_fn=2)
+        rows.append(_row("prefill", shape, "torch SDPA contiguous", ms=ms, tflops=flops / ms / 1e9))
+        del b, k, v, want
+        torch.cuda.empty_cache()
+    return rows
+
+
+def mixed_rows(gen) -> list[dict]:
+    """One ubatch: 2 prefill chunks of 2048 tokens at 8K context + 64 decodes at 4K."""
+    op = op_of()
+    chunk = PagedBatch(2, 8192, 2048, gen)
+    dec = PagedBatch(64, 4096, 1, gen)
+    off = chunk.k_cache.shape[0]
+    k_cache = torch.cat([chunk.k_cache, dec.k_cache])
+    v_cache = torch.cat([chunk.v_cache, dec.v_cache])
+    table = torch.full((66, 512), -1, dtype=torch.int32, device="cuda")
+    table[:2] = chunk.page_table
+    table[2:, :256] = dec.page_table + off
+    args = dict(q=torch.cat([chunk.q, dec.q]), k_cache=k_cache, v_cache=v_cache,
+                token_seq=torch.cat([chunk.token_seq, dec.token_seq + 2]), page_table=table,
+                token_kv_len=torch.cat([chunk.token_kv_len, dec.token_kv_len]))
+    out = torch.empty_like(args["q"])
+    ms = time_ms([lambda: attention.paged_attention(op, **args, out=out)], calls_per_fn=5)
+    ms_p = time_ms([lambda: attention.paged_attention(op, **chunk.args(), out=chunk.out)], calls_per_fn=5)
+    ms_d = time_ms([lambda: attention.paged_attention(op, **dec.args(), out=dec.out)], calls_per_fn=5)
+    shape = "2x2048@8K + 64x1@4K"
+    return [_row("mixed", shape, "ua one launch", ms=ms), _row("mixed", shape, "ua prefill part alone", ms=ms_p),
+            _row("mixed", shape, "ua decode part alone", ms=ms_d)]
+
+
+# ---------------------------------------------------------------- FlashInfer peer (JIT from its sdist)
+def import_flashinfer():
+    sdist = ROOT / ".peers" / "flashinfer_python-0.2.14.post1.tar.gz"
+    if not sdist.exists():
+        return None
+    root = Path("/tmp/flashinfer-src")
+    src = root / "flashinfer_python-0.2.14.post1"
+    if not src.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(sdist) as tf:
+            tf.extractall(root)
+        data = src / "flashinfer" / "data"
+        data.mkdir(exist_ok=True)
+        for name, target in [("include", "../../include"), ("csrc", "../../csrc"),
+                             ("cutlass", "../../3rdparty/cutlass"), ("spdlog", "../../3rdparty/spdlog")]:
+            if not (data / name).exists():
+                (data / name).symlink_to(target)
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    os.environ.setdefault("MAX_JOBS", "16")
+    sys.path.insert(0, str(src))
+    import flashinfer
+
+    return flashinfer
+
+
+def flashinfer_rows(gen, fi) -> list[dict]:
+    rows = []
+    ws = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    for B, L in DECODE_SHAPES:
+        b = PagedBatch(B, L, 1, gen)
+        indptr = torch.arange(B + 1, device="cuda", dtype=torch.int32) * (L // P)
+        last = torch.full((B,), P, device="cuda", dtype=torch.int32)
+        for tc in (False, True):
+            w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+            w.plan(indptr, b.page_table.flatten(), last, HQ, HKV, D, P, q_data_type=DTYPE, kv_data_type=DTYPE)
+            ms = time_ms([lambda: w.run(b.q, (b.k_cache, b.v_cache))], calls_per_fn=10)
+            rows.append(_row("decode", f"{B}x{L}", f"FlashInfer {'tensor-core' if tc else 'CUDA-core'}", ms=ms,
+                             gbps=b.kv_bytes / ms / 1e6))
+        del b
+    for B, L in PREFILL_SHAPES:
+        b = PagedBatch(B, L, L, gen)
+        qo = torch.arange(B + 1, device="cuda", dtype=torch.int32) * L
+        indptr = torch.arange(B + 1, device="cuda", dtype=torch.int32) * (L // P)
+        last = torch.full((B,), P, device="cuda", dtype=torch.int32)
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(qo, indptr, b.page_table.flatten(), last, HQ, HKV, D, P, causal=True, q_data_type=DTYPE,
+               kv_data_type=DTYPE)
+        ms = time_ms([lambda: w.run(b.q, (b.k_cache, b.v_cache))], calls_per_fn=2)
+        rows.append(_row("prefill", f"{B}x{L} causal", "FlashInfer paged", ms=ms, tflops=4 * B * L * L / 2 * HQ * D / ms / 1e9))
+        del b
+    return rows
+
+
+def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None, log=print) -> list[dict]:
+    """Every attention row of the benchmark table. bench/kernels.py passes its BenchContext
+    (quick, copy_gbps, notes); FlashInfer rows run when its sdist is in .peers/ and not quick."""
+    if ctx is not None:
+        quick = ctx.quick
+    if flashinfer is None:
+        flashinfer = not quick and os.environ.get("UA_BENCH_FLASHINFER", "1") != "0"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t0 = time.perf_counter()
+    # build every variant the rows use, in parallel, before any timing
+    from concurrent.futures import ThreadPoolExecutor
+
+    from uacompile.targets.cuda import api
+
+    ops = [op_of(), op_of(variant="unified_masked")]
+    sweep = () if quick else (1, 2, 4, 8, 16, 32, 48)
+    for B, L in DECODE_SHAPES:
+        for s in {attention.choose_splits(op_of(), B, B, L), *sweep}:
+            if s > 1:
+                ops += [op_of(num_splits=s), ir.MergeState(HQ, D, s, "bf16")]
+    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
+        list(pool.map(api.kernel, ops))
+    log(f"# built {len(ops)} attention variants in {time.perf_counter() - t0:.1f} s")
+    rows = []
+    COPY_GBPS[0] = getattr(ctx, "copy_gbps", 0.0) or 0.0
+    if not COPY_GBPS[0]:
+        COPY_GBPS[0] = copy_ceiling_gbps()
+        rows.append(_row("copy", "2 GiB d2d", "copy ceiling (read+write)", gbps=COPY_GBPS[0]))
+    rows += decode_rows(gen, sweep, unified=True)
+    log(f"# decode done at {time.perf_counter() - t0:.1f} s")
+    rows += prefill_rows(gen)
+    rows += mixed_rows(gen)
+    log(f"# prefill + mixed done at {time.perf_counter() - t0:.1f} s")
+    if flashinfer:
+        try:
+            fi = import_flashinfer()
+            if fi is None:
+                log("# FlashInfer sdist not in .peers/: peer rows skipped")
+            else:
+                rows += flashinfer_rows(gen, fi)
+                log(f"# flashinfer done at {time.perf_counter() - t0:.1f} s")
+        except Exception as e:  # noqa: BLE001 - a peer failing must not lose our rows
+            msg = f"FlashInfer rows failed: {type(e).__name__}: {str(e)[:200]}"
+            log("# " + msg)
+            if ctx is not None:
+                ctx.notes.append(msg)
+    return rows
+
+
+def table(rows) -> str:
+    lines = ["| op | shape | impl | ms | GB/s | TFLOP/s | vs ceiling | note |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = lambda k, fmt: (fmt % r[k]) if k in r else ""  # noqa: E731
+        lines.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {f('ms', '%.4f')} | {f('gbps', '%.0f')} | "
+                     f"{f('tflops', '%.0f')} | {f('pct_ceiling', '%.0f%%')} | {r.get('note', '')} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rows = attention_rows(quick=a.quick, flashinfer=False if a.no_flashinfer else None)
+    gpu = torch.cuda.get_device_name()
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(gpu=gpu, date=time.strftime("%Y-%m-%d"), rows=rows), indent=1))
+    print(f"\n{gpu}\n" + table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Kernel benchmark, run on the device: prints one table and writes kernels-<date>.json / .md.
+
+    PYTHONPATH=... python3 bench/kernels.py --out bench/results [--only cache,swap,build,attention] [--quick]
+
+Rows are dicts {op, shape, impl, gbps | tflops | ms, note?}. Bandwidth counts the bytes a
+kernel must move (each input read once, each output written once) over its median time
+(CUDA events, warmed up; small shapes are timed as CUDA-graph replays of many calls).
+Cache ops are compared with the device copy ceiling (a 1 GiB torch copy_) and torch index
+copies; swap with one pinned cudaMemcpy of the same bytes and with per-block copies (vLLM's
+swap_blocks does one memcpy per block). Build rows: nvcc cold build and cached load (a
+copy of the cache at a new path: key + render + dlopen) per variant. Attention rows come
+from bench/attention_bench.py: `attention_rows(ctx: BenchContext) -> list[dict]`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from uacompile import ir
+
+GB = 1e9
+
+
+# ---------------------------------------------------------------- timing
+def time_ms(fn, iters: int = 20, repeats: int = 5, warmup: int = 3, graph: bool = False) -> float:
+    """Median over `repeats` of the mean time of `iters` back-to-back calls (CUDA events).
+    graph=True captures the `iters` calls in one CUDA graph and times its replay, so Python
+    and launch gaps do not count (what a serving step with CUDA graphs sees)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    run = lambda: [fn() for _ in range(iters)]  # noqa: E731
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            run()
+        run = g.replay
+        run()
+    samples = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) / iters)
+    return statistics.median(samples)
+
+
+@dataclass
+class BenchContext:
+    """What a rows function gets: the timer, the measured ceilings, and the run's options."""
+
+    time_ms: object = time_ms
+    copy_gbps: float = 0.0  # device-to-device copy ceiling, bytes read + written
+    quick: bool = False
+    gpu: str = ""
+    notes: list = field(default_factory=list)
+
+
+def row(op, shape, impl, **metric) -> dict:
+    return dict(op=op, shape=shape, impl=impl, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in metric.items()})
+
+
+def copy_ceiling(ctx: BenchContext) -> list[dict]:
+    n = 1 << 30
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), iters=10)
+    ctx.copy_gbps = 2 * n / ms / 1e6
+    del src, dst
+    return [row("copy", "1 GiB", "torch copy_ (ceiling)", gbps=ctx.copy_gbps, ms=ms)]
+
+
+# ---------------------------------------------------------------- cache ops
+def _torch_dtype(d: str):
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8,
+            "fp8_e4m3": torch.float8_e4m3fn}[d]
+
+
+def _kv(shape, dtype: str) -> torch.Tensor:
+    x = torch.randn(shape, device="cuda")
+    if dtype == "int8":
+        return (x * 40).clamp(-127, 127).to(torch.int8)
+    return x.to(_torch_dtype(dtype))
+
+
+def reshape_rows(ctx: BenchContext) -> list[dict]:
+    from uacompile.targets.cuda import api
+
+    rows, Hkv, D, P = [], 8, 128, 16
+    cases = [(32768, "fp16", "fp16", False), (32768, "bf16", "int8", False), (32768, "bf16", "fp8_e4m3", False),
+             (32768, "bf16", "bf16", True), (256, "bf16", "bf16", False)]
+    if ctx.quick:
+        cases = cases[:1] + cases[-1:]
+    for T, dt_in, dt_kv, rope in cases:
+        num_pages = T // P * 2
+        k, v = _kv((T, Hkv, D), dt_in), _kv((T, Hkv, D), dt_in)
+        slots = torch.randperm(num_pages * P, device="cuda")[:T].contiguous()
+        kc, vc = _kv((num_pages, P, Hkv, D), dt_kv), _kv((num_pages, P, Hkv, D), dt_kv)
+        quant = dt_kv in ir.QUANT_DTYPES
+        ks = torch.ones(num_pages, P, Hkv, device="cuda") if quant else None
+        vs = torch.ones_like(ks) if quant else None
+        pos = torch.randint(0, 32768, (T,), device="cuda") if rope else None
+        ours = lambda: api.reshape_and_cache(k, v, kc, vc, slots, ks, vs, pos)  # noqa: E731
+        out_item = torch.empty((), dtype=_torch_dtype(dt_kv)).element_size()
+        nbytes = 2 * T * Hkv * D * (k.element_size() + out_item) + T * 8 + (2 * T * Hkv * 4 if quant else 0)
+        small = T <= 4096
+        ms = time_ms(ours, iters=50 if small else 10, graph=small)
+        shape = f"T={T} Hkv={Hkv} D={D} P={P} {dt_in}->{dt_kv}{' +rope' if rope else ''}"
+        rows.append(row("reshape_and_cache", shape, "uacompile", gbps=nbytes / ms / 1e6, ms=ms,
+                        pct_ceiling=100 * nbytes / ms / 1e6 / ctx.copy_gbps))
+        if not quant and not rope:  # torch's scatter of the same rows (no -1 handling, no fusion)
+            kf, vf = kc.view(-1, Hkv, D), vc.view(-1, Hkv, D)
+            base = lambda: (kf.index_copy_(0, slots, k), vf.index_copy_(0, slots, v))  # noqa: E731
+            ms = time_ms(base, iters=50 if small else 10, graph=small)
+            rows.append(row("reshape_and_cache", shape, "torch index_copy_ x2", gbps=nbytes / ms / 1e6, ms=ms,
+                            pct_ceiling=100 * nbytes / ms / 1e6 / ctx.copy_gbps))
+        del k, v, kc, vc, ks, vs
+    return rows
+
+
+def copy_blocks_rows(ctx: BenchContext) -> list[dict]:
+    from uacompile.targets.cuda import api
+
+    rows = []
+    for L, pages, pairs, P, Hkv, D, dt_kv in [(32, 2048, 256, 16, 8, 128, "bf16"), (32, 512, 64, 256, 8, 128, "int8")]:
+        kv = _kv((L, 2, pages, P, Hkv, D), dt_kv)
+        quant = dt_kv in ir.QUANT_DTYPES
+        scales = torch.rand(L, 2, pages, P, Hkv, device="cuda") if quant else None
+        perm = torch.randperm(pages, device="cuda")
+        mapping = torch.stack([perm[:pairs], perm[pairs:2 * pairs]], 1).contiguous()
+        page_bytes = P * Hkv * D * kv.element_size() + (P * Hkv * 4 if quant else 0)
+        nbytes = 2 * L * 2 * pairs * page_bytes  # read + write
+        shape = f"L={L} pairs={pairs} P={P} Hkv={Hkv} D={D} {dt_kv}"
+        ms = time_ms(lambda: api.copy_blocks(kv, mapping, scales), iters=10)
+        rows.append(row("copy_blocks", shape, "uacompile (1 launch)", gbps=nbytes / ms / 1e6, ms=ms,
+                        pct_ceiling=100 * nbytes / ms / 1e6 / ctx.copy_gbps))
+        src, dst = mapping[:, 0], mapping[:, 1]
+
+        def torch_copy():
+            kv[:, :, dst] = kv[:, :, src]
+            if quant:
+                scales[:, :, dst] = scales[:, :, src]
+
+        ms = time_ms(torch_copy, iters=10)
+        rows.append(row("copy_blocks", shape, "torch kv[:,:,dst] = kv[:,:,src]", gbps=nbytes / ms / 1e6, ms=ms,
+                        pct_ceiling=100 * nbytes / ms / 1e6 / ctx.copy_gbps))
+        del kv, scales
+    return rows
+
+
+def swap_rows(ctx: BenchContext) -> list[dict]:
+    from uacompile.targets.cuda import api
+
+    rows = []
+    L, pairs, P, Hkv, D = 32, 128, 16, 8, 128
+    dev_pages, host_pages = 512, 256
+    dev = _kv((L, 2, dev_pages, P, Hkv, D), "bf16")
+    host = torch.empty((L, 2, host_pages, P, Hkv, D), dtype=torch.bfloat16).pin_memory()
+    host.copy_(dev[:, :, :host_pages].flip(2))  # random data, filled by DMA (a CPU fill of 0.5 GB is slow)
+    m = torch.stack([torch.randperm(dev_pages)[:pairs], torch.randperm(host_pages)[:pairs]], 1).cuda()
+    m_in = m.flip(1).contiguous()
+    nbytes = L * 2 * pairs * P * Hkv * D * 2  # bytes over PCIe, one way
+    shape = f"L={L} pairs={pairs} P={P} Hkv={Hkv} D={D} bf16 ({nbytes / 2**20:.0f} MiB)"
+    flat_dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    flat_host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    for direction, ours, memcpy in [
+        ("d2h", lambda: api.swap_blocks(dev, host, m), lambda: flat_host.copy_(flat_dev, non_blocking=True)),
+        ("h2d", lambda: api.swap_blocks(host, dev, m_in), lambda: flat_dev.copy_(flat_host, non_blocking=True)),
+    ]:
+        ms_memcpy = time_ms(memcpy, iters=5)
+        ref_gbps = nbytes / ms_memcpy / 1e6
+        rows.append(row("swap_blocks", f"{direction} {shape}", "pinned cudaMemcpy, contiguous (ceiling)", gbps=ref_gbps, ms=ms_memcpy))
+        ms = time_ms(ours, iters=5)
+        rows.append(row("swap_blocks", f"{direction} {shape}", "uacompile (1 launch, zero-copy)",
+                        gbps=nbytes / ms / 1e6, ms=ms, pct_memcpy=100 * ms_memcpy / ms))
+    # vLLM's swap_blocks: one cudaMemcpyAsync per block and layer (timed with Python's launches)
+    src_idx, dst_idx = m[:, 0].tolist(), m[:, 1].tolist()
+
+    def per_block():
+        for layer in range(L):
+            for kv in range(2):
+                for s, d in zip(src_idx, dst_idx):
+                    host[layer, kv, d].copy_(dev[layer, kv, s], non_blocking=True)
+
+    ms = time_ms(per_block, iters=1, repeats=3, warmup=1)
+    rows.append(row("swap_blocks", f"d2h {shape}", "torch copy_ per block (vLLM-style)", gbps=nbytes / ms / 1e6, ms=ms))
+    del dev, host, flat_dev, flat_host
+    return rows
+
+
+# ---------------------------------------------------------------- build times
+def build_variants() -> list:
+    R, C, S, M = ir.ReshapeAndCache, ir.CopyBlocks, ir.SwapBlocks, ir.MergeState
+    ops = [R(8, 128, dtype="bf16", kv_dtype="bf16"), R(8, 128, dtype="bf16", kv_dtype="fp8_e4m3", rope=True),
+           C(8, 128, kv_dtype="int8"), S(8, 128, kv_dtype="bf16"), M(32, 128, 8, out_dtype="bf16", return_lse=True)]
+    try:
+        from uacompile.targets.cuda import attention  # noqa: F401
+
+        PA = ir.PagedAttention
+        ops += [PA(32, 8, 128, 16, "bf16", "bf16"), PA(32, 8, 128, 16, "bf16", "bf16", num_splits=8),
+                PA(32, 8, 128, 16, "bf16", "fp8_e4m3")]
+    except ImportError:
+        pass
+    return ops
+
+
+def build_rows(ctx: BenchContext) -> list[dict]:
+    from uacompile.cache import toolchain_versions
+    from uacompile.targets.cuda import build as build_mod, loader
+
+    rows = []
+    toolchain_versions(build_mod.nvcc_path())  # nvcc --version once per process, outside the timings
+    old = os.environ.get("UACOMPILE_CACHE_DIR")
+    cold_dir, warm_dir = Path(tempfile.mkdtemp(prefix="ua-cold-")), Path(tempfile.mkdtemp(prefix="ua-warm-"))
+    try:
+        for op in build_variants():
+            os.environ["UACOMPILE_CACHE_DIR"] = str(cold_dir)
+            try:
+                res = build_mod.build(op)
+            except Exception as e:  # noqa: BLE001 - a failed variant is a row, not the end of the run
+                rows.append(row("build", op.symbol(), "nvcc cold build", ms=-1.0, note=f"FAILED: {str(e)[:120]}"))
+                continue
+            shutil.rmtree(warm_dir, ignore_errors=True)
+            shutil.copytree(cold_dir, warm_dir)
+            os.environ["UACOMPILE_CACHE_DIR"] = str(warm_dir)
+            t0 = time.perf_counter()
+            hit = build_mod.build(op)
+            lib = loader.load_library(hit.path, [op], hit)
+            lib.function(op)
+            load_ms = (time.perf_counter() - t0) * 1e3
+            name = f"{op.kind} {op.key()}"
+            rows.append(row("build", name, "nvcc cold build", ms=res.seconds * 1e3, note=str(op)[:150]))
+            rows.append(row("build", name, "cached load (key+render+dlopen)", ms=load_ms, hit=hit.hit))
+            shutil.rmtree(cold_dir, ignore_errors=True)
+            cold_dir.mkdir()
+    finally:
+        if old is None:
+            os.environ.pop("UACOMPILE_CACHE_DIR", None)
+        else:
+            os.environ["UACOMPILE_CACHE_DIR"] = old
+        shutil.rmtree(cold_dir, ignore_errors=True)
+        shutil.rmtree(warm_dir, ignore_errors=True)
+    return rows
+
+
+def attention_rows(ctx: BenchContext) -> list[dict]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        import attention_bench
+    except ImportError as e:
+        ctx.notes.append(f"attention rows skipped: {e}")
+        return []
+    return attention_bench.attention_rows(ctx)
+
+
+SECTIONS = {"cache": lambda c: reshape_rows(c) + copy_blocks_rows(c), "swap": swap_rows, "build": build_rows,
+            "attention": attention_rows}
+
+
+# ---------------------------------------------------------------- report
+def table(rows: list[dict]) -> str:
+    head = "| op | shape | impl | GB/s | TFLOP/s | ms | vs ceiling | note |"
+    lines = [head, "|---|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        pct = r.get("pct_ceiling", r.get("pct_memcpy"))
+        lines.append("| {} | {} | {} | {} | {} | {} | {} | {} |".format(
+            r["op"], r["shape"], r["impl"], f"{r['gbps']:.0f}" if "gbps" in r else "",
+            f"{r['tflops']:.0f}" if "tflops" in r else "", f"{r['ms']:.4g}" if "ms" in r else "",
+            f"{pct:.0f}%" if pct is not None else "", r.get("note", "")))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {list(SECTIONS)}")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    np.random.seed(0)
+    torch.manual_seed(0)
+    ctx = BenchContext(quick=args.quick, gpu=torch.cuda.get_device_name())
+    rows = copy_ceiling(ctx)
+    for name in args.only.split(","):
+        t0 = time.perf_counter()
+        try:
+            rows += SECTIONS[name](ctx)
+        except Exception as e:  # noqa: BLE001 - keep the other sections' rows
+            import traceback
+
+            traceback.print_exc()
+            ctx.notes.append(f"section {name} failed: {type(e).__name__}: {e}")
+        print(f"[bench] {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    date = dt.date.today().isoformat()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=ctx.gpu, date=date, torch=torch.__version__, copy_ceiling_gbps=round(ctx.copy_gbps, 1),
+                notes=ctx.notes, rows=rows)
+    (out / f"kernels-{date}.json").write_text(json.dumps(meta, indent=1))
+    text = f"# Kernel benchmark, {ctx.gpu}, {date}\n\n{table(rows)}\n" + "".join(f"\n- {n}" for n in ctx.notes) + "\n"
+    (out / f"kernels-{date}.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On the device (the `run` tool, carry [".whl"] and ".peers" for FlashInfer rows):
+#   bash bench/run_device.sh                      # all GPU tests, then the whole benchmark
+#   UA_GPU_TESTS=tests/test_cuda_gpu.py UA_BENCH_ARGS="--only cache,swap,build" bash bench/run_device.sh
+# Installs the carried wheels (cffi, pycparser, ...), makes the package importable without
+# installing the repo, runs `pytest -m gpu`, then bench/kernels.py; logs, JSON and table go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ua-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 UACOMPILE_CACHE_DIR=${UACOMPILE_CACHE_DIR:-/tmp/ua-cache}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# setup.cfg maps runtime/, targets/, templates/ into the one package uacompile; PYTHONPATH alone
+# cannot, so build that package shape from links.
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg/uacompile
+for f in "$PWD"/uacompile/*; do ln -s "$f" /tmp/pkg/uacompile/; done
+for d in runtime targets templates; do ln -s "$PWD/$d" /tmp/pkg/uacompile/$d; done
+# PYTHONSAFEPATH: never put the cwd (the repo root, whose uacompile/ lacks the mapped folders) first
+export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONSAFEPATH=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, uacompile.targets.cuda.api as a; print('torch', torch.__version__, 'api', a.__file__)" || exit 1
+rc=0
+if [ "${UA_SKIP_TESTS:-0}" != 1 ]; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors -rfE ${UA_GPU_TESTS:-tests} 2>&1 \
+    | tee "$OUT/pytest-gpu.log"
+  rc=${PIPESTATUS[0]}
+fi
+if [ "${UA_SKIP_BENCH:-0}" != 1 ]; then
+  python3 bench/kernels.py --out "$OUT" ${UA_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  rc=$(( rc || PIPESTATUS[0] ))
+fi
+exit $rc

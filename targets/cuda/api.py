@@ -1,0 +1,212 @@
+"""Call generated kernels on torch CUDA tensors.
+
+    from uacompile.targets.cuda import api
+    kern = api.CudaKernel(op)          # build (cached) + load, once per op and process
+    kern(**tensors)                    # names as in op.params(); sizes inferred from shapes
+    api.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)       # op inferred from tensors
+    api.copy_blocks(kv, mapping); api.swap_blocks(src, dst, mapping); out = api.merge_state(o, lse)
+
+Every call checks names, dtypes, shapes (symbolic dims bound consistently), contiguity,
+alignment and devices against op.params(), and raises TypeError / ValueError naming the
+argument. It launches on torch.cuda.current_stream() and does not synchronise or allocate,
+so calls are CUDA-graph capturable. Index values (slots, page ids) are not range-checked
+(that would need a device sync): out-of-range ids are undefined behaviour, as in vLLM.
+"""
+from __future__ import annotations
+
+import torch
+
+from ... import ir
+from .loader import load
+
+TORCH_DTYPES = {
+    "fp32": (torch.float32,), "fp16": (torch.float16,), "bf16": (torch.bfloat16,), "int8": (torch.int8,),
+    "fp8_e4m3": (torch.float8_e4m3fn, torch.uint8),  # fp8 KV may be stored as raw bytes
+    "int32": (torch.int32,), "int64": (torch.int64,),
+}
+IR_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
+            torch.float8_e4m3fn: "fp8_e4m3", torch.uint8: "fp8_e4m3"}
+# tensors that may live in pinned host memory (the kernel reaches them over PCIe)
+HOST_OK = {"swap_blocks": {"src", "dst", "src_scales", "dst_scales", "mapping"}}
+INDEX_DTYPES = ("int32", "int64")
+ALIGN = 16  # bytes: data tensors are read with 16-byte vectors
+
+
+def _error_name(code: int) -> str:
+    try:
+        return torch.cuda.cudart().cudaGetErrorString(code)
+    except Exception:  # noqa: BLE001 - the name is a courtesy
+        return "unknown"
+
+
+class CudaKernel:
+    """One op variant, built and loaded; call it with keyword tensors named as in op.params()."""
+
+    def __init__(self, op: ir.OpSpec, arch: str | None = None, library=None):
+        self.op = op
+        self.library = library or load(op, arch)
+        self.fn = self.library.function(op)
+        self.ffi = self.library.ffi
+        self.tensor_specs = op.tensors()
+        self.size_specs = op.sizes()
+        self.names = [p.name for p in op.params()]
+        self.host_ok = HOST_OK.get(op.kind, set())
+
+    def __repr__(self):
+        return f"CudaKernel({self.op!r})"
+
+    def bind(self, kwargs: dict) -> tuple[list, torch.device]:
+        """Check the arguments; return the C argument list (without the stream) and the device."""
+        kind = self.op.kind
+        unknown = [k for k in kwargs if k not in self.names]
+        if unknown:
+            raise TypeError(f"{kind}: unexpected argument {unknown[0]!r}; expected {self.names}")
+        dims: dict[str, tuple[int, str]] = {}
+        for p in self.size_specs:
+            if kwargs.get(p.name) is not None:
+                val = kwargs[p.name]
+                if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                    raise TypeError(f"{kind}.{p.name}: expected an int >= 0, got {val!r}")
+                dims[p.name] = (val, "the argument")
+        device, ptrs = None, []
+        for p in self.tensor_specs:
+            t = kwargs.get(p.name)
+            if t is None:
+                raise TypeError(f"{kind}: missing tensor argument {p.name!r}")
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{kind}.{p.name}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in TORCH_DTYPES[p.dtype]:
+                want = " or ".join(str(d) for d in TORCH_DTYPES[p.dtype])
+                raise TypeError(f"{kind}.{p.name}: expected dtype {want}, got {t.dtype}")
+            if t.dim() != len(p.shape):
+                raise ValueError(f"{kind}.{p.name}: expected {len(p.shape)} dims {list(p.shape)}, got shape {tuple(t.shape)}")
+            for axis, (want, got) in enumerate(zip(p.shape, t.shape)):
+                if isinstance(want, int):
+                    if got != want:
+                        raise ValueError(f"{kind}.{p.name}: dim {axis} must be {want} (shape {list(p.shape)}), got shape {tuple(t.shape)}")
+                elif want in dims and dims[want][0] != got:
+                    raise ValueError(f"{kind}.{p.name}: dim {axis} ({want}) is {got}, but {want} = {dims[want][0]} from {dims[want][1]}")
+                else:
+                    dims.setdefault(want, (got, p.name))
+            if not t.is_contiguous():
+                raise ValueError(f"{kind}.{p.name}: must be contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
+        for p in self.tensor_specs:  # placement last, so layout errors show on any device
+            t = kwargs[p.name]
+            if t.is_cuda:
+                if device is None:
+                    device = t.device
+                elif t.device != device:
+                    raise ValueError(f"{kind}.{p.name}: on {t.device}, but other tensors are on {device}")
+            elif p.name not in self.host_ok:
+                raise ValueError(f"{kind}.{p.name}: must be a CUDA tensor, got device {t.device}")
+            elif not t.is_pinned():
+                raise ValueError(f"{kind}.{p.name}: a host tensor must be pinned (tensor.pin_memory()), got pageable memory")
+            if p.dtype not in INDEX_DTYPES and t.data_ptr() % ALIGN:
+                raise ValueError(f"{kind}.{p.name}: data must be {ALIGN}-byte aligned (data_ptr % {ALIGN} = {t.data_ptr() % ALIGN})")
+            ptrs.append(self.ffi.cast("void*", t.data_ptr()))
+        if device is None:
+            raise ValueError(f"{kind}: at least one tensor must be on a CUDA device")
+        return ptrs + [dims[p.name][0] for p in self.size_specs], device
+
+    def __call__(self, **kwargs) -> None:
+        args, device = self.bind(kwargs)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        with torch.cuda.device(device):
+            rc = self.fn(*args, self.ffi.cast("void*", stream))
+        if rc:
+            raise RuntimeError(f"{self.op.symbol()}: CUDA error {rc} ({_error_name(rc)}) at launch")
+
+
+_kernels: dict[tuple, CudaKernel] = {}
+
+
+def kernel(op: ir.OpSpec, arch: str | None = None) -> CudaKernel:
+    """The CudaKernel of op, built and loaded once per process (or taken from preload)."""
+    if (op, arch) not in _kernels:
+        _kernels[(op, arch)] = CudaKernel(op, arch)
+    return _kernels[(op, arch)]
+
+
+def preload(ops, arch: str | None = None, workers: int = 4) -> None:
+    """Build many variants at once: one library (one nvcc run) per op kind, kinds in parallel;
+    later kernel(op) / friendly calls find them without building."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    by_kind: dict[str, list] = {}
+    for op in ops:
+        by_kind.setdefault(op.kind, []).append(op)
+    with ThreadPoolExecutor(max(1, min(workers, len(by_kind)))) as pool:
+        libs = list(pool.map(lambda group: (group, load(group, arch)), by_kind.values()))
+    for group, lib in libs:
+        for op in group:
+            _kernels.setdefault((op, arch), CudaKernel(op, arch, library=lib))
+
+
+def _kv_dtype(name: str, t: torch.Tensor) -> str:
+    if t.dtype not in IR_DTYPE:
+        raise TypeError(f"{name}: unsupported dtype {t.dtype}; use one of {sorted(map(str, IR_DTYPE))}")
+    return IR_DTYPE[t.dtype]
+
+
+def _need_dims(name: str, t, n: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != n:
+        raise ValueError(f"{name}: expected {n} dims {layout}, got shape {tuple(t.shape)}")
+
+
+def _scales(kind: str, quantized: bool, **scales) -> dict:
+    for name, s in scales.items():
+        if quantized and s is None:
+            raise TypeError(f"{kind}: {name} is required with a quantised (int8 / fp8) KV cache")
+        if not quantized and s is not None:
+            raise TypeError(f"{kind}: {name} is only for a quantised (int8 / fp8) KV cache")
+    return scales if quantized else {}
+
+
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, positions=None,
+                      rope_theta: float = 10000.0, rope_interleaved: bool = False) -> None:
+    """Write k, v [T, Hkv, D] into caches [num_pages, P, Hkv, D] at slot_mapping [T] (int64, -1 = skip);
+    quantised caches (int8, fp8) also take k_scale, v_scale [num_pages, P, Hkv]; positions [T] fuses RoPE into K."""
+    _need_dims("k", k, 3, "[num_tokens, num_kv_heads, head_dim]")
+    _need_dims("k_cache", k_cache, 4, "[num_pages, page_size, num_kv_heads, head_dim]")
+    op = ir.ReshapeAndCache(num_kv_heads=k.shape[1], head_dim=k.shape[2], page_size=k_cache.shape[1],
+                            dtype=_kv_dtype("k", k), kv_dtype=_kv_dtype("k_cache", k_cache), rope=positions is not None,
+                            rope_theta=float(rope_theta), rope_interleaved=bool(rope_interleaved))
+    extra = _scales(op.kind, op.quantized, k_scale=k_scale, v_scale=v_scale)
+    if positions is not None:
+        extra["positions"] = positions
+    kernel(op)(k=k, v=v, slot_mapping=slot_mapping, k_cache=k_cache, v_cache=v_cache, **extra)
+
+
+def copy_blocks(kv, mapping, scales=None) -> None:
+    """kv [num_layers, 2, num_pages, P, Hkv, D]: kv[:, :, dst] = kv[:, :, src] for (src, dst) in mapping [N, 2] int64,
+    in one launch (scales [num_layers, 2, num_pages, P, Hkv] too when quantised). Destinations must not be sources."""
+    _need_dims("kv", kv, 6, "[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]")
+    op = ir.CopyBlocks(num_kv_heads=kv.shape[4], head_dim=kv.shape[5], page_size=kv.shape[3],
+                       kv_dtype=_kv_dtype("kv", kv))
+    extra = _scales(op.kind, op.quantized, scales=scales)
+    kernel(op)(kv=kv, mapping=mapping, **extra)
+
+
+def swap_blocks(src, dst, mapping, src_scales=None, dst_scales=None) -> None:
+    """Pages of the copy_blocks layout between two caches (device or pinned host), in one launch:
+    dst[:, :, mapping[i, 1]] = src[:, :, mapping[i, 0]]."""
+    _need_dims("src", src, 6, "[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]")
+    op = ir.SwapBlocks(num_kv_heads=src.shape[4], head_dim=src.shape[5], page_size=src.shape[3],
+                       kv_dtype=_kv_dtype("src", src))
+    extra = _scales(op.kind, op.quantized, src_scales=src_scales, dst_scales=dst_scales)
+    kernel(op)(src=src, dst=dst, mapping=mapping, **extra)
+
+
+def merge_state(o_partial, lse_partial, out=None, lse=None, out_dtype: torch.dtype = torch.float16):
+    """Merge split-KV partials o_partial [S, T, H, D], lse_partial [S, T, H] (float32) into out [T, H, D];
+    returns out, or (out, lse) when lse [T, H] float32 is given. Allocates out when None (not graph-safe)."""
+    _need_dims("o_partial", o_partial, 4, "[num_splits, num_tokens, num_heads, head_dim]")
+    S, T, H, D = o_partial.shape
+    if out is None:
+        out = torch.empty((T, H, D), dtype=out_dtype, device=o_partial.device)
+    op = ir.MergeState(num_heads=H, head_dim=D, num_splits=S, out_dtype=_kv_dtype("out", out), return_lse=lse is not None)
+    extra = {"lse": lse} if lse is not None else {}
+    kernel(op)(o_partial=o_partial, lse_partial=lse_partial, out=out, **extra)
+    return (out, lse) if lse is not None else out

@@ -1,0 +1,188 @@
+"""CUDA paged attention: template context, split-KV choice, and the call function.
+
+    from uacompile.targets.cuda.attention import paged_attention
+    out = paged_attention(op, q, k_cache, v_cache, token_seq, page_table, token_kv_len)
+
+One template (templates/cuda/paged_attention.cu.j2) serves decode tokens, prefill chunks
+and mixed ubatches in one launch; `template_context(op)` is its context builder (render.py
+calls it). With num_splits > 1 the kernel writes split-KV partials and merge_state (the
+plumbing template) reduces them; `paged_attention()` picks the split count from the
+shapes alone (so a CUDA graph capture fixes it) and keeps the partial workspace cached.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ... import ir
+from ...errors import IRError
+
+TEMPLATE = "cuda/paged_attention.cu.j2"
+WARPS = 4
+DECODE_TILE = 16  # K/V positions per warp tile in decode blocks
+MIN_SPLIT_LEN = 256  # a split shorter than this spends more on its merge than it gains
+MAX_SPLITS = 64
+SMEM_PER_SM = 228 * 1024  # H100 / H200 (sm_90); 1 KB of it is reserved per block
+H200_SMS = 132
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Tile shapes and shared memory of one variant (the template checks smem_bytes)."""
+
+    bn_prefill: int  # K/V positions per prefill tile
+    mt_prefill: int  # 16-row mma tiles per warp in prefill blocks
+    kv_rows: int  # K/V rows of one shared-memory stage
+    stages: int  # cp.async pipeline depth
+    smem_bytes: int
+    min_blocks: int  # __launch_bounds__ minimum blocks per SM (a register cap)
+
+    @property
+    def blocks_per_sm(self) -> int:
+        return max(1, min(SMEM_PER_SM // (self.smem_bytes + 1024 + 1024), self.min_blocks))
+
+
+def check(op: ir.PagedAttention) -> None:
+    """IRError for what the CUDA template does not cover (the IR allows more)."""
+    if op.q_dtype not in ("fp16", "bf16"):
+        raise IRError("paged_attention.q_dtype", f"the CUDA template takes fp16 or bf16, got {op.q_dtype}")
+    if op.kv_dtype == "fp32":
+        raise IRError("paged_attention.kv_dtype", "the CUDA template takes fp16, bf16, int8 or fp8_e4m3 KV, got fp32")
+    if op.head_dim % 16 or not 16 <= op.head_dim <= 256:
+        raise IRError("paged_attention.head_dim", f"the CUDA template needs a multiple of 16 in [16, 256], got {op.head_dim}")
+    if op.group_size > 16:
+        raise IRError("paged_attention.num_q_heads",
+                      f"the CUDA template needs num_q_heads / num_kv_heads <= 16, got {op.group_size}")
+    if op.variant == "unified_masked" and op.num_splits != 1:
+        raise IRError("paged_attention.num_splits", f"unified_masked is built with num_splits=1, got {op.num_splits}")
+
+
+def layout(op: ir.PagedAttention) -> Layout:
+    D = op.head_dim
+    bn_prefill = 32  # two prefill tiles share a 64-row stage: a 4-deep pipeline in 2 stages' smem
+    kv_rows = max(WARPS * DECODE_TILE, bn_prefill)
+    stages = 2
+    tile = kv_rows * (D + 8) * 2
+    tiles = (2 if op.quantized else 2 * stages) * tile
+    raw_stage = 2 * kv_rows * (D + 4) if op.quantized else 0
+    mt_prefill = 2 if D <= 128 else 1  # 32 rows a warp halve smem reads per mma; D=256 lacks the registers
+    q_bytes = WARPS * 16 * mt_prefill * (D + 8) * 2  # resident Q rows
+    combine = WARPS * 16 * (D + 4) * 4 + 2 * WARPS * 16 * 4
+    smem = max(tiles + stages * raw_stage + q_bytes, combine)
+    return Layout(bn_prefill, mt_prefill, kv_rows, stages, smem, min_blocks=2 if D <= 128 else 1)
+
+
+def _c_float(x: float) -> str:
+    return f"{float(x):.9e}f"
+
+
+def template_context(op: ir.PagedAttention) -> tuple[str, dict]:
+    check(op)
+    lay = layout(op)
+    return TEMPLATE, dict(
+        variant=op.variant, unified=op.variant == "unified_masked",
+        Hq=op.num_q_heads, Hkv=op.num_kv_heads, D=op.head_dim, P=op.page_size,
+        q_dtype=op.q_dtype, kv_dtype=op.kv_dtype, q_ctype=ir.DTYPES[op.q_dtype][1], kv_ctype=ir.DTYPES[op.kv_dtype][1],
+        quantized=op.quantized, num_splits=op.num_splits, write_lse=op.return_lse and op.num_splits == 1,
+        window=op.window, softcap=op.softcap, softcap_c=_c_float(op.softcap or 1.0), alibi=op.alibi,
+        scale_c=_c_float(op.sm_scale), bn_prefill=lay.bn_prefill, mt_prefill=lay.mt_prefill, kv_rows=lay.kv_rows, stages=lay.stages,
+        smem_bytes=lay.smem_bytes, min_blocks=lay.min_blocks)
+
+
+# ---------------------------------------------------------------- split-KV choice
+def choose_splits(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_len: int,
+                  num_sms: int = H200_SMS) -> int:
+    """Occupancy-aware split count, from shapes only (graph-safe).
+
+    Work items = blocks of one split: decode tokens (at most one per sequence) or prefill
+    tiles, times KV heads. Splits multiply the items; pick the count whose waves over the
+    GPU's resident block slots leave the least idle (fewest waves per unit of work), never
+    making a split shorter than MIN_SPLIT_LEN positions.
+    """
+    if op.variant == "unified_masked" or num_tokens <= 0:
+        return 1
+    if op.window:
+        max_kv_len = min(max_kv_len, op.window)
+    decode_like = num_tokens <= 2 * num_seqs
+    tile_tokens = WARPS * 16 * layout(op).mt_prefill // op.group_size
+    items = (min(num_tokens, num_seqs) if decode_like else -(-num_tokens // tile_tokens)) * op.num_kv_heads
+    slots = num_sms * layout(op).blocks_per_sm
+    if items >= slots:
+        return 1
+    limit = min(MAX_SPLITS, max(1, max_kv_len // MIN_SPLIT_LEN))
+    cost = {s: math.ceil(items * s / slots) / s for s in range(1, limit + 1)}  # waves per unit of work
+    best = min(cost.values())
+    best = min(s for s, c in cost.items() if c <= best * 1.05)  # fewer splits: less merge work
+    return best
+
+
+# ---------------------------------------------------------------- the call function
+_workspaces: dict = {}
+
+
+def _workspace(device, stream_id: int, splits: int, num_tokens: int, heads: int, head_dim: int):
+    """o_partial / lse_partial, kept per (device, stream, shape): no allocation per call, and
+    the same buffers in every replay of a captured graph."""
+    import torch
+
+    key = (str(device), stream_id, splits, num_tokens, heads, head_dim)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = (torch.empty((splits, num_tokens, heads, head_dim), dtype=torch.float32, device=device),
+              torch.empty((splits, num_tokens, heads), dtype=torch.float32, device=device))
+        _workspaces[key] = ws
+    return ws
+
+
+def _num_sms(device) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_table, token_kv_len, *,
+                    k_scale=None, v_scale=None, alibi_slopes=None, out=None, lse=None, num_splits: int | None = None):
+    """Attention of a ubatch over the paged cache on torch's current stream; returns out
+    (and lse when op.return_lse). num_splits=None picks split-KV from the shapes; the
+    split count of `op` itself is ignored. Tokens may come in any order (a sequence's
+    tokens side by side share K/V loads as a prefill tile; a lone token is a decode item)."""
+    import torch
+
+    from .api import kernel
+
+    if not isinstance(op, ir.PagedAttention):
+        raise TypeError(f"op must be an ir.PagedAttention, got {type(op).__name__}")
+    check(op.replace(num_splits=1))
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, {op.num_q_heads}, {op.head_dim}], got shape {tuple(q.shape)}")
+    if page_table.dim() != 2:
+        raise ValueError(f"page_table must be [num_seqs, max_pages], got shape {tuple(page_table.shape)}")
+    T, S = q.shape[0], page_table.shape[0]
+    if num_splits is None:
+        num_splits = choose_splits(op, T, S, page_table.shape[1] * op.page_size, _num_sms(q.device))
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq, page_table=page_table,
+                   token_kv_len=token_kv_len)
+    if op.quantized:
+        tensors.update(k_scale=k_scale, v_scale=v_scale)
+    if op.alibi:
+        tensors["alibi_slopes"] = alibi_slopes
+    if out is None:
+        out = torch.empty_like(q)
+    if op.return_lse and lse is None:
+        lse = torch.empty((T, op.num_q_heads), dtype=torch.float32, device=q.device)
+    if num_splits == 1:
+        base = op.replace(num_splits=1)
+        extra = dict(out=out, lse=lse) if op.return_lse else dict(out=out)
+        kernel(base)(**tensors, **extra)
+    else:
+        part = op.replace(num_splits=num_splits, return_lse=False)
+        o_part, lse_part = _workspace(q.device, torch.cuda.current_stream(q.device).cuda_stream, num_splits, T,
+                                      op.num_q_heads, op.head_dim)
+        kernel(part)(**tensors, o_partial=o_part, lse_partial=lse_part)
+        merge = ir.MergeState(num_heads=op.num_q_heads, head_dim=op.head_dim, num_splits=num_splits,
+                              out_dtype=op.q_dtype, return_lse=op.return_lse)
+        extra = dict(out=out, lse=lse) if op.return_lse else dict(out=out)
+        kernel(merge)(o_partial=o_part, lse_partial=lse_part, **extra)
+    return (out, lse) if op.return_lse else out

@@ -1,0 +1,170 @@
+"""CPU: every CUDA template renders and compiles with nvcc (sm_80 and sm_90) over a
+representative set of variants; launchers match the IR ABI; builds are cached; the call
+API rejects bad arguments with messages naming them (checked before any device work)."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+
+import pytest
+
+from uacompile import ir
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+R, C, S, M = ir.ReshapeAndCache, ir.CopyBlocks, ir.SwapBlocks, ir.MergeState
+CACHE_OP_VARIANTS = {
+    "reshape_and_cache": [
+        R(8, 128), R(8, 128, dtype="bf16", kv_dtype="bf16", page_size=256), R(1, 64, page_size=1),
+        R(4, 80, kv_dtype="int8"), R(2, 96, dtype="bf16", kv_dtype="fp8_e4m3", page_size=32),
+        R(8, 256, kv_dtype="fp8_e4m3"), R(8, 128, rope=True), R(4, 80, dtype="bf16", kv_dtype="bf16", rope=True, rope_theta=1e6),
+        R(2, 64, kv_dtype="int8", rope=True, rope_interleaved=True), R(8, 96, kv_dtype="fp8_e4m3", rope=True),
+        R(4, 128, dtype="fp32", kv_dtype="fp32"),
+    ],
+    "copy_blocks": [C(8, 128), C(1, 64, page_size=1, kv_dtype="int8"), C(2, 256, page_size=256, kv_dtype="fp8_e4m3"),
+                    C(4, 80, kv_dtype="bf16")],
+    "swap_blocks": [S(8, 128), S(1, 64, page_size=1, kv_dtype="int8"), S(2, 96, page_size=128, kv_dtype="fp8_e4m3")],
+    "merge_state": [M(32, 128, 2), M(8, 64, 16, out_dtype="bf16", return_lse=True), M(4, 80, 3, out_dtype="fp32"),
+                    M(16, 96, 7, return_lse=True), M(2, 256, 32)],
+}
+PA = ir.PagedAttention
+# the attention helper's representative set (targets/cuda/attention.py owns their templates)
+ATTENTION_VARIANTS = [
+    PA(32, 8, 128, 16, "bf16", "bf16"), PA(32, 8, 128, 16, "fp16", "fp16", num_splits=4),
+    PA(16, 1, 64, 1, "fp16", "int8"), PA(8, 8, 80, 256, "bf16", "fp8_e4m3", window=128),
+    PA(24, 2, 96, 32, "fp16", "fp16", softcap=30.0, alibi=True, return_lse=True), PA(16, 2, 256, 64, "bf16", "bf16"),
+    PA(32, 8, 128, 16, "bf16", "bf16", variant="unified_masked"),
+]
+HAVE_ATTENTION = importlib.util.find_spec("uacompile.targets.cuda.attention") is not None
+
+
+def _variants(kind):
+    return ATTENTION_VARIANTS if kind == "paged_attention" else CACHE_OP_VARIANTS[kind]
+
+
+KINDS = [*CACHE_OP_VARIANTS, "paged_attention"]
+
+
+@pytest.fixture(params=KINDS)
+def kind(request):
+    if request.param == "paged_attention" and not HAVE_ATTENTION:
+        pytest.skip("targets/cuda/attention.py not written yet")
+    return request.param
+
+
+def test_render_has_the_ir_launcher(kind):
+    from uacompile.targets.cuda.render import render_op
+
+    for op in _variants(kind):
+        src = render_op(op)
+        assert f'extern "C" {ir.c_signature(op)}' in src, op
+        assert re.search(r"namespace\s+" + op.symbol() + "_impl", src), "kernels must live in the op's namespace"
+        assert "{{" not in src and "{%" not in src
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_variants_compile_and_export_launchers(kind, arch):
+    """One nvcc run per kind and arch (all its variants in one library); every launcher is found by cffi."""
+    from uacompile.targets.cuda.build import build
+    from uacompile.targets.cuda.loader import load_library
+
+    ops = _variants(kind)
+    res = build(ops, arch)
+    assert res.path.exists() and res.arch == arch
+    lib = load_library(res.path, ops, res)
+    for op in ops:
+        assert lib.function(op) is not None
+    again = build(ops, arch)
+    assert again.hit and again.path == res.path and again.seconds < 0.5
+
+
+def test_cache_key_follows_variant_and_arch():
+    from uacompile.targets.cuda.build import build
+
+    a = build(R(8, 128), "sm_90")
+    assert build(R(8, 128), "sm_90").key == a.key
+    assert build(R(8, 128), "sm_80").key != a.key
+    assert build(R(8, 64), "sm_90").key != a.key
+
+
+def test_sm90a_marker_selects_arch_specific_target():
+    from uacompile.targets.cuda.build import arch_flags
+    from uacompile.targets.cuda.render import SM90A_MARKER
+
+    assert arch_flags("sm_90", "int x;") == ["-arch=sm_90"]
+    assert arch_flags("sm_90", SM90A_MARKER + "\n") == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert arch_flags("sm_80", SM90A_MARKER + "\n") == ["-arch=sm_80"]
+    with pytest.raises(ValueError, match="arch"):
+        arch_flags("ampere", "")
+
+
+def test_build_error_names_ops_and_keeps_source(monkeypatch):
+    from uacompile.targets.cuda import build as build_mod
+
+    monkeypatch.setattr(build_mod, "render_op", lambda op: "this is not C++;\n")
+    with pytest.raises(build_mod.BuildError, match="nvcc failed for .*ua_copy_blocks_.*source kept at"):
+        build_mod.build(C(8, 16), "sm_90")
+
+
+def test_unknown_op_kind_is_an_ir_error():
+    from uacompile.targets.cuda.render import render_op
+
+    class Bogus(ir.OpSpec):
+        kind = "bogus"
+
+    with pytest.raises(ir.IRError, match="no CUDA template"):
+        render_op(Bogus())
+
+
+# ---------------------------------------------------------------- argument checks (no GPU needed)
+torch = pytest.importorskip("torch")
+
+
+def _merge_args(T=3, S_=2, H=4, D=64, out_dtype=torch.float16):
+    return dict(o_partial=torch.zeros(S_, T, H, D), lse_partial=torch.zeros(S_, T, H),
+                out=torch.empty(T, H, D, dtype=out_dtype))
+
+
+@pytest.mark.parametrize("mutate, exc, pattern", [
+    (lambda a: a.update(out=a["out"].float()), TypeError, r"merge_state\.out: expected dtype torch\.float16, got torch\.float32"),
+    (lambda a: a.update(lse_partial=torch.zeros(2, 4, 4)), ValueError, r"merge_state\.lse_partial: dim 1 \(num_tokens\) is 4, but num_tokens = 3 from o_partial"),
+    (lambda a: a.update(o_partial=torch.zeros(3, 3, 4, 64)), ValueError, r"merge_state\.o_partial: dim 0 must be 2"),
+    (lambda a: a.update(out=torch.empty(3, 4, 64, 1, dtype=torch.float16)), ValueError, r"merge_state\.out: expected 3 dims"),
+    (lambda a: a.update(out=torch.empty(3, 64, 4, dtype=torch.float16).transpose(1, 2)), ValueError, r"merge_state\.out: must be contiguous"),
+    (lambda a: a.update(o_partial=[1, 2]), TypeError, r"merge_state\.o_partial: expected a torch\.Tensor, got list"),
+    (lambda a: a.pop("out"), TypeError, r"merge_state: missing tensor argument 'out'"),
+    (lambda a: a.update(bogus=1), TypeError, r"merge_state: unexpected argument 'bogus'"),
+    (lambda a: a.update(num_tokens=5), ValueError, r"num_tokens = 5 from the argument"),
+    (lambda a: None, ValueError, r"merge_state\.o_partial: must be a CUDA tensor, got device cpu"),
+])
+def test_call_api_rejects_bad_arguments(mutate, exc, pattern):
+    from uacompile.targets.cuda.api import CudaKernel
+
+    kern = CudaKernel(M(4, 64, 2), arch="sm_90")
+    args = _merge_args()
+    mutate(args)
+    with pytest.raises(exc, match=pattern):
+        kern(**args)
+
+
+def test_swap_blocks_host_side_must_be_pinned():
+    from uacompile.targets.cuda.api import CudaKernel
+
+    kern = CudaKernel(S(2, 64, 16), arch="sm_90")
+    src = torch.zeros(1, 2, 4, 16, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"swap_blocks\.src: a host tensor must be pinned"):
+        kern(src=src, dst=src.clone(), mapping=torch.zeros(1, 2, dtype=torch.int64))
+
+
+def test_friendly_functions_check_layout_and_scales():
+    from uacompile.targets.cuda import api
+
+    k = torch.zeros(4, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"k_cache: expected 4 dims"):
+        api.reshape_and_cache(k, k, torch.zeros(8, 16, 2 * 64, dtype=torch.float16), None, None)
+    with pytest.raises(TypeError, match=r"k_scale is required"):
+        cache = torch.zeros(8, 16, 2, 64, dtype=torch.int8)
+        api.reshape_and_cache(k, k, cache, cache, torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ir.IRError, match=r"page_size"):
+        api.copy_blocks(torch.zeros(1, 2, 4, 3, 2, 64, dtype=torch.float16), torch.zeros(1, 2, dtype=torch.int64))
