@@ -56,7 +56,7 @@ DEFAULT_TARGETS = ("cpu", "cuda")  # `--target all` adds ascend
 LOWERINGS = {
     ("cpu", "tvm"): "uacompile.build:tvm_cpu_artifact",
     ("cuda", "tvm"): "uacompile.build:tvm_cuda_artifact",
-    ("cuda", "jinja"): "uacompile.targets.cuda.build:build_artifact",
+    ("cuda", "jinja"): "uacompile.build:jinja_cuda_artifact",
     ("ascend", "jinja"): "uacompile.targets.ascend.build:build_and_verify",
 }
 
@@ -149,6 +149,26 @@ def tvm_cuda_artifact(op: OpSpec, out_dir: Path, arch: str = "sm_90") -> dict:
         src = out_dir / f"{op.symbol()}_{arch}.cu"
         src.write_text(cuda_source(op, arch))
         return {"source": src, "library": None, "reason": str(e), "arch": arch}
+
+
+def jinja_cuda_artifact(op: OpSpec, out_dir: Path, arch: str = "sm_90") -> dict:
+    """Jinja template -> CUDA source + launcher, nvcc-built (through the cache) when nvcc exists."""
+    import shutil
+
+    from .targets.cuda.build import BuildError, build, nvcc_path
+    from .targets.cuda.render import render_op
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src = out_dir / f"{op.symbol()}_{arch}.cu"
+    src.write_text(render_op(op))  # IRError for a variant the templates do not cover
+    try:
+        nvcc_path()
+    except BuildError as e:
+        return {"source": src, "library": None, "reason": str(e), "arch": arch}
+    res = build(op, arch)
+    lib = out_dir / f"{op.symbol()}_{arch}.so"
+    shutil.copyfile(res.path, lib)
+    return {"source": src, "library": lib, "arch": arch, "cached": res.hit}
 
 
 def _version() -> str:
