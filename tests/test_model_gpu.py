@@ -58,3 +58,37 @@ def test_cuda_generation_survives_swap_and_prefix_cache(checkpoints, rng):
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
     assert tight.engine.scheduler.num_preemptions > 0
     assert got == want
+
+
+GPU_CONFIGS = {
+    "batched": {},
+    "continuous": {"max_num_batched_tokens": 16, "max_prefill_chunk": 8},
+    "chunk-1": {"max_prefill_chunk": 1},
+    "chunk-7": {"max_prefill_chunk": 7},
+    "chunk-64": {"max_prefill_chunk": 64},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+    "recompute": {"num_pages": 12, "preemption": "recompute", "max_model_len": 96},
+    "swap": {"num_pages": 12, "num_cpu_pages": 64, "preemption": "swap", "max_model_len": 96},
+}
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time_cuda(checkpoints):
+    _, path = checkpoints["qwen3"]
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((5, 23, 1, 40, 11))]
+    llm = LLM(str(path), device="cuda", page_size=16, num_pages=256)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    return path, prompts, params, [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("config", list(GPU_CONFIGS))
+def test_cuda_outputs_do_not_depend_on_batching(one_at_a_time_cuda, config):
+    """The CPU equality suite (test_llm.py) on the CUDA kernels: batching, continuous arrivals,
+    prefill chunk sizes 1/7/64, prefix caching off, preemption by recompute and by swap."""
+    path, prompts, params, want = one_at_a_time_cuda
+    kw = {"page_size": 16, "num_pages": 256, **GPU_CONFIGS[config]}
+    llm = LLM(str(path), device="cuda", **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    if config in ("recompute", "swap"):
+        assert llm.engine.scheduler.num_preemptions > 0
