@@ -41,26 +41,6 @@ class KernelOps:
                    ir.SwapBlocks(num_kv_heads, head_dim, page_size, kv_dtype=dt))
 
 
-def bind_sizes(op: ir.OpSpec, tensors: dict) -> dict[str, int]:
-    """Symbolic dims of op from the tensors' shapes; ValueError on a mismatch (names the tensor)."""
-    sizes: dict[str, int] = {}
-    for p in op.tensors():
-        t = tensors.get(p.name)
-        if t is None:
-            if p.optional:
-                continue
-            raise ValueError(f"{op.kind}: missing tensor {p.name!r}")
-        if len(t.shape) != len(p.shape):
-            raise ValueError(f"{op.kind}: {p.name} must have {len(p.shape)} dims {p.shape}, got {tuple(t.shape)}")
-        for want, got in zip(p.shape, t.shape):
-            if isinstance(want, str):
-                if sizes.setdefault(want, int(got)) != int(got):
-                    raise ValueError(f"{op.kind}: {p.name} has {want}={int(got)}, other tensors say {sizes[want]}")
-            elif want != int(got):
-                raise ValueError(f"{op.kind}: {p.name} must have shape {p.shape}, got {tuple(t.shape)}")
-    return sizes
-
-
 class KernelBackend:
     name = "base"
 
@@ -90,8 +70,14 @@ class ReferenceBackend(KernelBackend):
 
     name = "reference"
 
+    def __init__(self, ops: KernelOps):
+        super().__init__(ops)
+        from ..lower.tvm_build import ArgBinder  # the CPU argument checks (needs no TVM)
+
+        self.binders = {op.kind: ArgBinder(op) for op in (ops.attention, ops.cache_write, ops.copy, ops.swap)}
+
     def run(self, op, **tensors):
-        bind_sizes(op, tensors)
+        self.binders[op.kind](tensors)
         arrays = {}
         for k, t in tensors.items():
             if t.device.type != "cpu" or t.dtype == torch.bfloat16:
