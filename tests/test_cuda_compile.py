@@ -35,6 +35,7 @@ ATTENTION_VARIANTS = [
     PA(16, 1, 64, 1, "fp16", "int8"), PA(8, 8, 80, 256, "bf16", "fp8_e4m3", window=128),
     PA(24, 2, 96, 32, "fp16", "fp16", softcap=30.0, alibi=True, return_lse=True), PA(16, 2, 256, 64, "bf16", "bf16"),
     PA(32, 8, 128, 16, "bf16", "bf16", variant="unified_masked"),
+    PA(16, 4, 64, 8, "fp16", "fp16", window=32, return_lse=True),  # sm_90: the wgmma path with head_dim 64
 ]
 HAVE_ATTENTION = importlib.util.find_spec("uacompile.targets.cuda.attention") is not None
 
@@ -102,7 +103,7 @@ def test_sm90a_marker_selects_arch_specific_target():
 def test_build_error_names_ops_and_keeps_source(monkeypatch):
     from uacompile.targets.cuda import build as build_mod
 
-    monkeypatch.setattr(build_mod, "render_op", lambda op: "this is not C++;\n")
+    monkeypatch.setattr(build_mod, "render_op", lambda op, arch: "this is not C++;\n")
     with pytest.raises(build_mod.BuildError, match="nvcc failed for .*ua_copy_blocks_.*source kept at"):
         build_mod.build(C(8, 16), "sm_90")
 

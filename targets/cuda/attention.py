@@ -4,8 +4,10 @@
     out = paged_attention(op, q, k_cache, v_cache, token_seq, page_table, token_kv_len)
 
 One template (templates/cuda/paged_attention.cu.j2) serves decode tokens, prefill chunks
-and mixed ubatches in one launch; `template_context(op)` is its context builder (render.py
-calls it). With num_splits > 1 the kernel writes split-KV partials and merge_state (the
+and mixed ubatches in one launch; `template_context(op, arch)` is its context builder (render.py
+calls it). On Hopper (sm_90) prefill tiles of 16-bit KV with head_dim 64 or 128 and pages of
+8+ positions run on wgmma with TMA loads (templates/cuda/attention_wgmma.cuh.j2, built for
+sm_90a); everything else runs the mma.sync path, which every arch from sm_80 has. With num_splits > 1 the kernel writes split-KV partials and merge_state (the
 plumbing template) reduces them; `paged_attention()` picks the split count from the
 shapes alone (so a CUDA graph capture fixes it) and keeps the partial workspace cached.
 """
@@ -36,6 +38,15 @@ class Layout:
     stages: int  # cp.async pipeline depth
     smem_bytes: int
     min_blocks: int  # __launch_bounds__ minimum blocks per SM (a register cap)
+    wgmma: bool = False  # prefill tiles on wgmma + TMA (sm_90a)
+    bn_wg: int = 0  # K/V positions per wgmma tile
+    stages_wg: int = 0  # TMA stages
+    smem_prefill: int = 0  # the wgmma stages' shared memory (0: none)
+
+    @property
+    def prefill_rows(self) -> int:
+        """Query rows of one prefill block: (token, head of the group) pairs."""
+        return 64 if self.wgmma else WARPS * 16 * self.mt_prefill
 
     @property
     def blocks_per_sm(self) -> int:
@@ -57,7 +68,18 @@ def check(op: ir.PagedAttention) -> None:
         raise IRError("paged_attention.num_splits", f"unified_masked is built with num_splits=1, got {op.num_splits}")
 
 
-def layout(op: ir.PagedAttention) -> Layout:
+HOPPER_ARCHS = ("sm_90", "sm_90a")
+
+
+def uses_wgmma(op: ir.PagedAttention, arch: str = "sm_90") -> bool:
+    """Whether prefill tiles run the Hopper path: 16-bit KV of q's dtype (TMA copies it as is),
+    head_dim 64 or 128 (whole 128-byte swizzle rows), pages of >= 8 positions (a TMA box per page
+    must fill whole 1024-byte swizzle atoms)."""
+    return (arch in HOPPER_ARCHS and op.variant == "ua" and op.kv_dtype == op.q_dtype
+            and op.head_dim in (64, 128) and op.page_size >= 8)
+
+
+def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
     D = op.head_dim
     bn_prefill = 32  # two prefill tiles share a 64-row stage: a 4-deep pipeline in 2 stages' smem
     kv_rows = max(WARPS * DECODE_TILE, bn_prefill)
@@ -69,16 +91,24 @@ def layout(op: ir.PagedAttention) -> Layout:
     q_bytes = WARPS * 16 * mt_prefill * (D + 8) * 2  # resident Q rows
     combine = WARPS * 16 * (D + 4) * 4 + 2 * WARPS * 16 * 4
     smem = max(tiles + stages * raw_stage + q_bytes, combine)
-    return Layout(bn_prefill, mt_prefill, kv_rows, stages, smem, min_blocks=2 if D <= 128 else 1)
+    if not uses_wgmma(op, arch):
+        return Layout(bn_prefill, mt_prefill, kv_rows, stages, smem, min_blocks=2 if D <= 128 else 1)
+    # wgmma: 64 rows x bn_wg positions a tile (S: bn_wg / 2 registers a thread, O: D / 2), three TMA
+    # stages of K + V, + 1 KB to align them; two blocks a SM (decode blocks need the same smem)
+    bn_wg = 64 if D == 128 else 128
+    stages_wg = 3
+    smem_prefill = stages_wg * 2 * bn_wg * D * 2 + 1024
+    return Layout(bn_prefill, mt_prefill, kv_rows, stages, max(smem, smem_prefill), min_blocks=2, wgmma=True,
+                  bn_wg=bn_wg, stages_wg=stages_wg, smem_prefill=smem_prefill)
 
 
 def _c_float(x: float) -> str:
     return f"{float(x):.9e}f"
 
 
-def template_context(op: ir.PagedAttention) -> tuple[str, dict]:
+def template_context(op: ir.PagedAttention, arch: str = "sm_90") -> tuple[str, dict]:
     check(op)
-    lay = layout(op)
+    lay = layout(op, arch)
     return TEMPLATE, dict(
         variant=op.variant, unified=op.variant == "unified_masked",
         Hq=op.num_q_heads, Hkv=op.num_kv_heads, D=op.head_dim, P=op.page_size,
@@ -86,12 +116,13 @@ def template_context(op: ir.PagedAttention) -> tuple[str, dict]:
         quantized=op.quantized, num_splits=op.num_splits, write_lse=op.return_lse and op.num_splits == 1,
         window=op.window, softcap=op.softcap, softcap_c=_c_float(op.softcap or 1.0), alibi=op.alibi,
         scale_c=_c_float(op.sm_scale), bn_prefill=lay.bn_prefill, mt_prefill=lay.mt_prefill, kv_rows=lay.kv_rows, stages=lay.stages,
-        smem_bytes=lay.smem_bytes, min_blocks=lay.min_blocks)
+        smem_bytes=lay.smem_bytes, min_blocks=lay.min_blocks, prefill_rows=lay.prefill_rows, wgmma=lay.wgmma,
+        bn_wg=lay.bn_wg, stages_wg=lay.stages_wg, smem_prefill=lay.smem_prefill)
 
 
 # ---------------------------------------------------------------- split-KV choice
 def choose_splits(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_len: int,
-                  num_sms: int = H200_SMS) -> int:
+                  num_sms: int = H200_SMS, arch: str = "sm_90") -> int:
     """Occupancy-aware split count, from shapes only (graph-safe).
 
     Work items = blocks of one split: decode tokens (at most one per sequence) or prefill
@@ -104,9 +135,10 @@ def choose_splits(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_
     if op.window:
         max_kv_len = min(max_kv_len, op.window)
     decode_like = num_tokens <= 2 * num_seqs
-    tile_tokens = WARPS * 16 * layout(op).mt_prefill // op.group_size
+    lay = layout(op, arch)
+    tile_tokens = lay.prefill_rows // op.group_size
     items = (min(num_tokens, num_seqs) if decode_like else -(-num_tokens // tile_tokens)) * op.num_kv_heads
-    slots = num_sms * layout(op).blocks_per_sm
+    slots = num_sms * lay.blocks_per_sm
     if items >= slots:
         return 1
     limit = min(MAX_SPLITS, max(1, max_kv_len // MIN_SPLIT_LEN))
@@ -140,6 +172,13 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _arch(device) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
 def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_table, token_kv_len, *,
                     k_scale=None, v_scale=None, alibi_slopes=None, out=None, lse=None, num_splits: int | None = None):
     """Attention of a ubatch over the paged cache on torch's current stream; returns out
@@ -159,7 +198,7 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
         raise ValueError(f"page_table must be [num_seqs, max_pages], got shape {tuple(page_table.shape)}")
     T, S = q.shape[0], page_table.shape[0]
     if num_splits is None:
-        num_splits = choose_splits(op, T, S, page_table.shape[1] * op.page_size, _num_sms(q.device))
+        num_splits = choose_splits(op, T, S, page_table.shape[1] * op.page_size, _num_sms(q.device), _arch(q.device))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq, page_table=page_table,

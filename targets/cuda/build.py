@@ -95,7 +95,7 @@ def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Buil
         raise ValueError("ops: need at least one op to build")
     ops = list({op.symbol(): op for op in ops}.values())  # one launcher per distinct variant
     arch = arch or default_arch()
-    source = "\n".join(render_op(op) for op in ops)
+    source = "\n".join(render_op(op, arch) for op in ops)
     flags = nvcc_flags(arch, source)
     nvcc = nvcc_path()
     key = content_hash([op.to_dict() for op in ops], source, toolchain_versions(nvcc), flags)

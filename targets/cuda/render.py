@@ -12,7 +12,8 @@ gets the common keys below, so a template needs no Python beyond its builder:
 Templates start with `{% include "cuda/common.cuh.j2" %}` (dtypes, vectors, quantisation).
 A template that needs Hopper-only instructions (wgmma) writes the marker line
 `// UA_REQUIRES_SM90A` and guards that code for other archs; build.py then compiles it for
-sm_90a. paged_attention's builder lives in attention.py as `template_context(op)`.
+sm_90a. Builders get the target arch (`fn(op, arch)`); paged_attention's lives in attention.py as
+`template_context(op, arch)` and picks its Hopper path by it.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def lane_group(chunks: int) -> int:
 
 
 # ---------------------------------------------------------------- per-op context builders
-def _reshape_and_cache(op: ir.ReshapeAndCache):
+def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str):
     size = ir.itemsize(op.dtype)
     vec = vector_width(op.head_dim, size)
     if op.rope and not op.rope_interleaved:  # the rotate-half partner must start a vector
@@ -98,31 +99,31 @@ def _page_copy(op):
                 scale_vec_bytes=vector_width(scale_bytes, 1), quantized=op.quantized, threads=256, unroll=4)
 
 
-def _merge_state(op: ir.MergeState):
+def _merge_state(op: ir.MergeState, arch: str):
     vec = vector_width(op.head_dim, 4)
     return "cuda/merge_state.cu.j2", dict(
         S=op.num_splits, H=op.num_heads, D=op.head_dim, out_ctype=CTYPE[op.out_dtype], vec=vec,
         group=lane_group(op.head_dim // vec), threads=256, return_lse=op.return_lse)
 
 
-def _paged_attention(op):
-    return importlib.import_module(".attention", __package__).template_context(op)
+def _paged_attention(op, arch: str):
+    return importlib.import_module(".attention", __package__).template_context(op, arch)
 
 
 CONTEXT_BUILDERS = {
     "reshape_and_cache": _reshape_and_cache,
-    "copy_blocks": lambda op: ("cuda/copy_blocks.cu.j2", _page_copy(op)),
-    "swap_blocks": lambda op: ("cuda/swap_blocks.cu.j2", _page_copy(op)),
+    "copy_blocks": lambda op, arch: ("cuda/copy_blocks.cu.j2", _page_copy(op)),
+    "swap_blocks": lambda op, arch: ("cuda/swap_blocks.cu.j2", _page_copy(op)),
     "merge_state": _merge_state,
     "paged_attention": _paged_attention,
 }
 
 
-def render_op(op: ir.OpSpec) -> str:
-    """The complete CUDA source (header included) of op, with its extern "C" launcher."""
+def render_op(op: ir.OpSpec, arch: str = "sm_90") -> str:
+    """The complete CUDA source (header included) of op for arch, with its extern "C" launcher."""
     if op.kind not in CONTEXT_BUILDERS:
         raise ir.IRError("op", f"has no CUDA template: {op.kind!r} (have {sorted(CONTEXT_BUILDERS)})")
-    template, ctx = CONTEXT_BUILDERS[op.kind](op)
+    template, ctx = CONTEXT_BUILDERS[op.kind](op, arch)
     common = dict(op=op, symbol=op.symbol(), ns=f"{op.symbol()}_impl", signature=ir.c_signature(op), ctype=CTYPE)
     return environment().get_template(template).render(**common, **ctx)
 
