@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import ir, reference
+from .. import binding, ir, reference
 
 TORCH_TO_IR = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 BACKENDS = ("tvm-cpu", "cuda", "reference")
@@ -72,9 +72,7 @@ class ReferenceBackend(KernelBackend):
 
     def __init__(self, ops: KernelOps):
         super().__init__(ops)
-        from ..lower.tvm_build import ArgBinder  # the CPU argument checks (needs no TVM)
-
-        self.binders = {op.kind: ArgBinder(op) for op in (ops.attention, ops.cache_write, ops.copy, ops.swap)}
+        self.binders = {op.kind: binding.host_binder(op) for op in (ops.attention, ops.cache_write, ops.copy, ops.swap)}
 
     def run(self, op, **tensors):
         self.binders[op.kind](tensors)

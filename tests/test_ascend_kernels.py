@@ -162,9 +162,9 @@ def test_launcher_arguments_are_checked_by_name(rng):
     kernel = load(op)
     inputs = testing.attention_inputs(op, rng, [5])
     out = np.zeros((1, 4, 64), np.float16)
-    with pytest.raises(TypeError, match="q: dtype"):
+    with pytest.raises(TypeError, match="paged_attention.q: expected dtype float16, got float32"):
         kernel(**dict(inputs, q=inputs["q"].astype(np.float32)), out=out)
-    with pytest.raises(ValueError, match="out: shape"):
+    with pytest.raises(ValueError, match=r"paged_attention\.out: dim 0 \(num_tokens\) is 2, but num_tokens = 1 from q"):
         kernel(**inputs, out=np.zeros((2, 4, 64), np.float16))
     with pytest.raises(TypeError, match="num_seqs"):
         kernel(**dict(inputs, num_seqs=1.0), out=out)

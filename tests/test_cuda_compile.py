@@ -132,11 +132,11 @@ def _merge_args(T=3, S_=2, H=4, D=64, out_dtype=torch.float16):
     (lambda a: a.update(lse_partial=torch.zeros(2, 4, 4)), ValueError, r"merge_state\.lse_partial: dim 1 \(num_tokens\) is 4, but num_tokens = 3 from o_partial"),
     (lambda a: a.update(o_partial=torch.zeros(3, 3, 4, 64)), ValueError, r"merge_state\.o_partial: dim 0 must be 2"),
     (lambda a: a.update(out=torch.empty(3, 4, 64, 1, dtype=torch.float16)), ValueError, r"merge_state\.out: expected 3 dims"),
-    (lambda a: a.update(out=torch.empty(3, 64, 4, dtype=torch.float16).transpose(1, 2)), ValueError, r"merge_state\.out: must be contiguous"),
+    (lambda a: a.update(out=torch.empty(3, 64, 4, dtype=torch.float16).transpose(1, 2)), ValueError, r"merge_state\.out: must be C-contiguous \(strides \(256, 1, 4\) for shape \(3, 4, 64\)\)"),
     (lambda a: a.update(o_partial=[1, 2]), TypeError, r"merge_state\.o_partial: expected a torch\.Tensor, got list"),
     (lambda a: a.pop("out"), TypeError, r"merge_state: missing tensor argument 'out'"),
     (lambda a: a.update(bogus=1), TypeError, r"merge_state: unexpected argument 'bogus'"),
-    (lambda a: a.update(num_tokens=5), ValueError, r"num_tokens = 5 from the argument"),
+    (lambda a: a.update(num_tokens=5), ValueError, r"merge_state\.num_tokens: given 5, but num_tokens = 3 from o_partial"),
     (lambda a: None, ValueError, r"merge_state\.o_partial: must be a CUDA tensor, got device cpu"),
 ])
 def test_call_api_rejects_bad_arguments(mutate, exc, pattern):

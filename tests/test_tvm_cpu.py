@@ -312,11 +312,11 @@ def test_call_errors(rng):
     k = cpu_kernel(op)
     inp = tensors(testing.merge_state_inputs(op, rng, 4))
     out = np.zeros((4, 2, 8), np.float32)
-    with pytest.raises(TypeError, match="out: missing"):
+    with pytest.raises(TypeError, match="merge_state: missing tensor argument 'out'"):
         k(**inp)
-    with pytest.raises(TypeError, match="bogus: not a parameter"):
+    with pytest.raises(TypeError, match="merge_state: unexpected argument 'bogus'"):
         k(**inp, out=out, bogus=1)
-    with pytest.raises(TypeError, match="out: expected dtype fp32"):
+    with pytest.raises(TypeError, match="merge_state.out: expected dtype float32, got float16"):
         k(**inp, out=out.astype(np.float16))
     with pytest.raises(ValueError, match="out: dim 0 .num_tokens. is 5"):
         k(**inp, out=np.zeros((5, 2, 8), np.float32))

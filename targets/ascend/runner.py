@@ -2,8 +2,8 @@
 
 The launcher is the same `int ua_<op>_<hash>(void*..., int64_t..., aclrtStream)` as on the
 NPU; here it runs the kernel's blocks as threads over the caller's arrays (GM). Arguments
-are checked against op.params() first: a wrong dtype is a TypeError, a wrong shape or
-size a ValueError, each naming the argument.
+are checked against op.params() first (uacompile.binding): a wrong dtype is a TypeError, a
+wrong shape or size a ValueError, each naming the argument; sizes may be omitted.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from uacompile.ir import OpSpec, cffi_cdef, numpy_dtype
+from uacompile.binding import NUMPY, Binder
+from uacompile.ir import OpSpec, cffi_cdef
 
 
 class EmulatorError(RuntimeError):
@@ -26,9 +27,12 @@ class EmulatedKernel:
     library: Path
     _lib: object = field(init=False, repr=False)
     _ffi: object = field(init=False, repr=False)
+    _binder: Binder = field(init=False, repr=False)
 
     def __post_init__(self):
         import cffi
+
+        self._binder = Binder(self.op, (NUMPY,))
 
         sym = self.op.symbol()
         self._ffi = cffi.FFI()
@@ -39,40 +43,12 @@ class EmulatedKernel:
         self._lib = self._ffi.dlopen(str(self.library))
 
     def bind(self, arrays: dict) -> tuple[list, list]:
-        """Check arrays against op.params(); return (tensor arrays, sizes) in launcher order."""
-        names = {p.name for p in self.op.params()}
-        extra = sorted(set(arrays) - names)
-        if extra:
-            raise TypeError(f"{self.op.kind}: unexpected argument(s) {extra}")
-        sizes = {}
-        for p in self.op.sizes():
-            v = arrays.get(p.name)
-            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-                raise TypeError(f"{p.name}: must be an int, got {type(v).__name__}")
-            if v < 0:
-                raise ValueError(f"{p.name}: must be >= 0, got {v}")
-            sizes[p.name] = int(v)
-        tensors = []
-        for p in self.op.tensors():
-            a = arrays.get(p.name)
-            if not isinstance(a, np.ndarray):
-                raise TypeError(f"{p.name}: must be a numpy array, got {type(a).__name__}")
-            want = numpy_dtype(p.dtype)
-            if a.dtype != want:
-                raise TypeError(f"{p.name}: dtype must be {want} ({p.dtype}), got {a.dtype}")
-            shape = tuple(sizes[d] if isinstance(d, str) else d for d in p.shape)
-            if a.shape != shape:
-                raise ValueError(f"{p.name}: shape must be {shape}, got {a.shape}")
-            if not a.flags.c_contiguous:
-                raise ValueError(f"{p.name}: must be C-contiguous")
-            if p.role != "in" and not a.flags.writeable:
-                raise ValueError(f"{p.name}: must be writeable ({p.role})")
-            tensors.append(a)
-        return tensors, [sizes[p.name] for p in self.op.sizes()]
+        """Check arrays against op.params() (uacompile.binding); return (tensor arrays, sizes) in launcher order."""
+        return self._binder(arrays)
 
     def __call__(self, **arrays) -> None:
         tensors, sizes = self.bind(arrays)
-        ptrs = [self._ffi.cast("void*", a.ctypes.data) for a in tensors]
+        ptrs = [self._ffi.NULL if a is None else self._ffi.cast("void*", a.ctypes.data) for a in tensors]
         sym = self.op.symbol()
         rc = getattr(self._lib, sym)(*ptrs, *sizes, self._ffi.NULL)
         if rc != 0:

@@ -16,16 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from ... import ir
+from ... import binding, ir
 from .loader import load
 
-TORCH_DTYPES = {
-    "fp32": (torch.float32,), "fp16": (torch.float16,), "bf16": (torch.bfloat16,), "int8": (torch.int8,),
-    "fp8_e4m3": (torch.float8_e4m3fn, torch.uint8),  # fp8 KV may be stored as raw bytes
-    "int32": (torch.int32,), "int64": (torch.int64,),
-}
-IR_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
-            torch.float8_e4m3fn: "fp8_e4m3", torch.uint8: "fp8_e4m3"}
+# torch dtype -> IR dtype of float / KV tensors (the friendly functions infer ops from them)
+IR_DTYPE = {t: d for d in ir.KV_DTYPES for t in binding.TORCH.dtypes(d)}
 # tensors that may live in pinned host memory (the kernel reaches them over PCIe)
 HOST_OK = {"swap_blocks": {"src", "dst", "src_scales", "dst_scales", "mapping"}}
 INDEX_DTYPES = ("int32", "int64")
@@ -47,9 +42,8 @@ class CudaKernel:
         self.library = library or load(op, arch)
         self.fn = self.library.function(op)
         self.ffi = self.library.ffi
-        self.tensor_specs = op.tensors()
-        self.size_specs = op.sizes()
-        self.names = [p.name for p in op.params()]
+        self.binder = binding.Binder(op, (binding.TORCH,))
+        self.tensor_specs = self.binder.tensor_specs
         self.host_ok = HOST_OK.get(op.kind, set())
 
     def __repr__(self):
@@ -58,40 +52,12 @@ class CudaKernel:
     def bind(self, kwargs: dict) -> tuple[list, torch.device]:
         """Check the arguments; return the C argument list (without the stream) and the device."""
         kind = self.op.kind
-        unknown = [k for k in kwargs if k not in self.names]
-        if unknown:
-            raise TypeError(f"{kind}: unexpected argument {unknown[0]!r}; expected {self.names}")
-        dims: dict[str, tuple[int, str]] = {}
-        for p in self.size_specs:
-            if kwargs.get(p.name) is not None:
-                val = kwargs[p.name]
-                if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-                    raise TypeError(f"{kind}.{p.name}: expected an int >= 0, got {val!r}")
-                dims[p.name] = (val, "the argument")
+        tensors, sizes = self.binder(kwargs)  # names, dtypes, shapes, dims, contiguity: uacompile.binding
         device, ptrs = None, []
-        for p in self.tensor_specs:
-            t = kwargs.get(p.name)
-            if t is None:
-                raise TypeError(f"{kind}: missing tensor argument {p.name!r}")
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{kind}.{p.name}: expected a torch.Tensor, got {type(t).__name__}")
-            if t.dtype not in TORCH_DTYPES[p.dtype]:
-                want = " or ".join(str(d) for d in TORCH_DTYPES[p.dtype])
-                raise TypeError(f"{kind}.{p.name}: expected dtype {want}, got {t.dtype}")
-            if t.dim() != len(p.shape):
-                raise ValueError(f"{kind}.{p.name}: expected {len(p.shape)} dims {list(p.shape)}, got shape {tuple(t.shape)}")
-            for axis, (want, got) in enumerate(zip(p.shape, t.shape)):
-                if isinstance(want, int):
-                    if got != want:
-                        raise ValueError(f"{kind}.{p.name}: dim {axis} must be {want} (shape {list(p.shape)}), got shape {tuple(t.shape)}")
-                elif want in dims and dims[want][0] != got:
-                    raise ValueError(f"{kind}.{p.name}: dim {axis} ({want}) is {got}, but {want} = {dims[want][0]} from {dims[want][1]}")
-                else:
-                    dims.setdefault(want, (got, p.name))
-            if not t.is_contiguous():
-                raise ValueError(f"{kind}.{p.name}: must be contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
-        for p in self.tensor_specs:  # placement last, so layout errors show on any device
-            t = kwargs[p.name]
+        for p, t in zip(self.tensor_specs, tensors):  # placement last, so layout errors show on any device
+            if t is None:  # an optional tensor not given
+                ptrs.append(self.ffi.NULL)
+                continue
             if t.is_cuda:
                 if device is None:
                     device = t.device
@@ -106,7 +72,7 @@ class CudaKernel:
             ptrs.append(self.ffi.cast("void*", t.data_ptr()))
         if device is None:
             raise ValueError(f"{kind}: at least one tensor must be on a CUDA device")
-        return ptrs + [dims[p.name][0] for p in self.size_specs], device
+        return ptrs + sizes, device
 
     def __call__(self, **kwargs) -> None:
         args, device = self.bind(kwargs)

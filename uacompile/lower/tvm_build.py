@@ -3,8 +3,9 @@
     k = cpu_kernel(PagedAttention(8, 2, 64))
     k(q=q, k_cache=kc, v_cache=vc, token_seq=ts, page_table=pt, token_kv_len=kl, out=out)
 
-Arguments are keyword, named as op.params(); tensors are numpy arrays or torch CPU tensors
-(outputs too: the kernel writes into them), sizes may be omitted (inferred from shapes).
+Arguments are keyword, named as op.params() and checked by uacompile.binding; tensors are
+numpy arrays or torch CPU tensors (outputs too: the kernel writes into them), sizes may be
+omitted (inferred from shapes).
 bf16 numpy arrays travel as zero-copy torch views (numpy's DLPack has no bf16); fp8 travels
 as its raw bytes (uint8), which is what the kernel decodes.
 """
@@ -17,17 +18,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ..binding import host_binder
 from ..cache import cached_build, content_hash, toolchain_versions
-from ..ir import OpSpec, numpy_dtype
+from ..ir import OpSpec
 from .tvm_kernels import generator_source, prim_func
 
 CACHE_KIND = "tvm_cpu"
 LIBRARY = "kernel.so"
 _loaded: dict[str, "CpuKernel"] = {}
 _lock = threading.Lock()
-
-_TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8",
-                 "fp8_e4m3": "float8_e4m3fn", "int32": "int32", "int64": "int64"}
 
 
 def cpu_target() -> dict:
@@ -88,106 +87,34 @@ def bind_args(op: OpSpec, args: dict) -> list:
 
 
 class ArgBinder:
-    """The per-op checking plan, computed once: this runs on every call (every layer, every step)."""
+    """uacompile.binding's host checks, then the views the TVM function takes: fp8 as its raw
+    bytes (uint8), bf16 numpy arrays as zero-copy torch views (numpy's DLPack has no bf16)."""
 
     def __init__(self, op: OpSpec):
         self.op = op
-        self.names = [p.name for p in op.params()]
-        self.name_set = frozenset(self.names)
-        self.tensors = [(p, _accepted_numpy(p.dtype), p.role != "in") for p in op.tensors()]
-        self.sizes = [p.name for p in op.sizes()]
-        self.torch_dtypes: dict | None = None  # filled on the first torch tensor
+        self.binder = host_binder(op)
+        self.viewed = [(i, p.dtype) for i, p in enumerate(self.binder.tensor_specs) if p.dtype in ("fp8_e4m3", "bf16")]
 
     def __call__(self, args: dict) -> list:
-        for n in args:
-            if n not in self.name_set:
-                raise TypeError(f"{n}: not a parameter of {self.op.kind}; parameters: {self.names}")
-        dims: dict[str, int] = {}
-        src: dict[str, str] = {}
-        out = []
-        for p, np_ok, is_out in self.tensors:
-            x = args.get(p.name)
-            if x is None:
-                raise TypeError(f"{p.name}: missing tensor argument ({p.dtype}{list(p.shape)}) of {self.op.kind}")
-            if isinstance(x, np.ndarray):
-                shape = self._check_numpy(p, x, np_ok, is_out)
-                if p.dtype in ("fp8_e4m3", "bf16"):
-                    x = _numpy_view(p.dtype, x)
-            else:
-                shape = self._check_torch(p, x)
-                if p.dtype == "fp8_e4m3":
-                    x = x.view(self.torch_dtypes["uint8"])
-            if len(shape) != len(p.shape):
-                raise ValueError(f"{p.name}: expected {len(p.shape)} dims {list(p.shape)}, got shape {tuple(shape)}")
-            for i, (want, got) in enumerate(zip(p.shape, shape)):
-                if want.__class__ is int:
-                    if got != want:
-                        raise ValueError(f"{p.name}: dim {i} must be {want} (shape {list(p.shape)}), got {tuple(shape)}")
-                elif want not in dims:
-                    dims[want], src[want] = got, p.name
-                elif dims[want] != got:
-                    raise ValueError(f"{p.name}: dim {i} ({want}) is {got} but {src[want]} has {want}={dims[want]}")
-            out.append(x)
-        for name in self.sizes:
-            v = args.get(name)
-            if v is None:
-                if name not in dims:
-                    raise TypeError(f"{name}: size not given and no tensor shape implies it")
-                v = dims[name]
-            elif isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise TypeError(f"{name}: must be an int, got {type(v).__name__}")
-            elif name in dims and int(v) != dims[name]:
-                raise ValueError(f"{name}: given {int(v)} but {src[name]} has {name}={dims[name]}")
-            out.append(int(v))
-        return out
-
-    @staticmethod
-    def _check_numpy(p, x, np_ok, is_out) -> tuple:
-        if x.dtype not in np_ok:
-            raise TypeError(f"{p.name}: expected dtype {p.dtype} ({numpy_dtype(p.dtype)}), got {x.dtype}")
-        if not x.flags.c_contiguous:
-            raise ValueError(f"{p.name}: must be C-contiguous")
-        if is_out and not x.flags.writeable:
-            raise ValueError(f"{p.name}: is an output and must be writeable")
-        return x.shape
-
-    def _check_torch(self, p, x) -> tuple:
-        if self.torch_dtypes is None:
-            torch = _torch_if_tensor(x)
-            if torch is None:
-                raise TypeError(f"{p.name}: expected a numpy array or torch CPU tensor, got {type(x).__name__}")
-            self.torch_dtypes = {**{k: getattr(torch, v) for k, v in _TORCH_DTYPES.items()}, "uint8": torch.uint8,
-                                 "Tensor": torch.Tensor}
-        td = self.torch_dtypes
-        if not isinstance(x, td["Tensor"]):
-            raise TypeError(f"{p.name}: expected a numpy array or torch CPU tensor, got {type(x).__name__}")
-        if x.dtype != td[p.dtype] and not (p.dtype == "fp8_e4m3" and x.dtype == td["uint8"]):
-            raise TypeError(f"{p.name}: expected dtype {p.dtype} ({td[p.dtype]}), got {x.dtype}")
-        if x.device.type != "cpu":
-            raise ValueError(f"{p.name}: must be on the CPU, got device {x.device}")
-        if not x.is_contiguous():
-            raise ValueError(f"{p.name}: must be contiguous")
-        return x.shape
+        tensors, sizes = self.binder(args)
+        for i, dtype in self.viewed:
+            if tensors[i] is not None:
+                tensors[i] = _tvm_view(dtype, tensors[i])
+        return tensors + sizes
 
 
-def _accepted_numpy(dtype: str) -> tuple:
-    return (numpy_dtype(dtype), np.dtype(np.uint8)) if dtype == "fp8_e4m3" else (numpy_dtype(dtype),)
+def _tvm_view(dtype: str, x):
+    if isinstance(x, np.ndarray):
+        if dtype == "fp8_e4m3":
+            return x.view(np.uint8)
+        import torch  # numpy's DLPack has no bf16: hand over a zero-copy torch view of the same memory
 
-
-def _torch_if_tensor(x):
-    if type(x).__module__.startswith("torch"):
+        return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+    if dtype == "fp8_e4m3":
         import torch
 
-        return torch if isinstance(x, torch.Tensor) else None
-    return None
-
-
-def _numpy_view(dtype: str, x: np.ndarray):
-    if dtype == "fp8_e4m3":
-        return x.view(np.uint8)
-    import torch  # numpy's DLPack has no bf16: hand over a zero-copy torch view of the same memory
-
-    return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+        return x.view(torch.uint8)
+    return x
 
 
 __all__ = ["cpu_kernel", "CpuKernel", "ArgBinder", "bind_args", "build_cpu_library", "cpu_cache_key", "cpu_target"]
