@@ -212,7 +212,7 @@ def test_call_errors_name_the_argument(api, rng):
 # ---------------------------------------------------------------- CPU: split choice, IR checks
 def test_split_choice_fills_the_gpu():
     op = PA(32, 8, 128, 16, "bf16", "bf16")
-    assert attention.choose_splits(op, 1, 1, 32768) > 16  # one long sequence: many splits
+    assert attention.choose_splits(op, 1, 1, 32768) >= 16  # one long sequence: many splits
     assert attention.choose_splits(op, 128, 128, 1024) == 1  # enough blocks already
     assert attention.choose_splits(op, 8, 8, 16384) > 1
     assert attention.choose_splits(op, 1, 1, 300) == 1  # too short to split

@@ -84,18 +84,19 @@ def test_which_variants_take_the_hopper_path(op, hopper):
     assert (SM90A_MARKER in render_op(op, "sm_90")) is hopper
     assert SM90A_MARKER not in render_op(op, "sm_80")
     lay = attention.layout(op, "sm_90")
-    assert lay.prefill_rows == (64 if hopper else attention.WARPS * 16 * lay.mt_prefill)
-    if hopper:  # two blocks a SM: 228 KB, 1 KB reserved per block, the static smem well under 1 KB
-        assert 2 * (lay.smem_bytes + 2048) <= 228 * 1024
+    assert lay.warps == (8 if hopper else 4)
+    assert lay.prefill_rows == 16 * lay.warps * (1 if hopper else lay.mt_prefill)
+    if hopper:  # one 8-warp block a SM: 227 KB a block at most, with the static smem well under 1 KB
+        assert lay.smem_bytes + 1024 <= 227 * 1024 and lay.blocks_per_sm == 1
 
 
-def test_split_choice_counts_hopper_tiles():
-    """Prefill tiles of 64 rows (wgmma) are twice as many as the mma.sync path's 128-row tiles, so a
-    prompt that fills the GPU on Hopper may still want splits on the other path."""
+def test_split_choice_counts_hopper_blocks():
+    """Hopper variants run one 8-warp block a SM, so the split choice sees half the block slots."""
     op = PA(32, 8, 128, 16, "bf16", "bf16")
     hopper, ampere = attention.layout(op, "sm_90"), attention.layout(op, "sm_80")
-    assert hopper.prefill_rows * 2 == ampere.prefill_rows
-    # 1056 prompt tokens of G=4: 66 tiles x 8 heads = 2 waves on Hopper, 1 on the mma.sync path
-    assert attention.choose_splits(op, 1056, 1, 8192, arch="sm_90") == 1
-    assert attention.choose_splits(op, 1056, 1, 8192, arch="sm_80") == 1
-    assert 1 < attention.choose_splits(op, 64, 1, 8192, arch="sm_90") < attention.choose_splits(op, 64, 1, 8192, arch="sm_80")
+    assert (hopper.blocks_per_sm, ampere.blocks_per_sm) == (1, 2)
+    for T, L in [(1, 32768), (8, 16384), (64, 8192)]:
+        s90 = attention.choose_splits(op, T, T, L, arch="sm_90")
+        s80 = attention.choose_splits(op, T, T, L, arch="sm_80")
+        assert 1 <= s90 <= s80, (T, L, s90, s80)
+        assert s90 == 1 or T * op.num_kv_heads * s90 <= 2 * attention.H200_SMS

@@ -20,7 +20,11 @@ from ... import ir
 from ...errors import IRError
 
 TEMPLATE = "cuda/paged_attention.cu.j2"
-WARPS = 4
+WARPS = 4  # warps of a decode group, and of a block on the mma.sync path
+WG_WARPS = 8  # a block on the wgmma path: two warpgroups share each K/V tile; two decode groups
+# wgmma tiles by head_dim: (K/V positions per tile, TMA stages); the stages fill the shared
+# memory that the 8-warp decode blocks of the same kernel take anyway
+WG_TILE = {128: (128, 3), 64: (128, 6)}
 DECODE_TILE = 16  # K/V positions per warp tile in decode blocks
 MIN_SPLIT_LEN = 256  # a split shorter than this spends more on its merge than it gains
 MAX_SPLITS = 64
@@ -38,6 +42,7 @@ class Layout:
     stages: int  # cp.async pipeline depth
     smem_bytes: int
     min_blocks: int  # __launch_bounds__ minimum blocks per SM (a register cap)
+    warps: int = WARPS  # of a block
     wgmma: bool = False  # prefill tiles on wgmma + TMA (sm_90a)
     bn_wg: int = 0  # K/V positions per wgmma tile
     stages_wg: int = 0  # TMA stages
@@ -46,7 +51,12 @@ class Layout:
     @property
     def prefill_rows(self) -> int:
         """Query rows of one prefill block: (token, head of the group) pairs."""
-        return 64 if self.wgmma else WARPS * 16 * self.mt_prefill
+        return 16 * self.warps * (1 if self.wgmma else self.mt_prefill)
+
+    @property
+    def decode_groups(self) -> int:
+        """Decode items a block runs side by side (4 warps each)."""
+        return self.warps // WARPS
 
     @property
     def blocks_per_sm(self) -> int:
@@ -81,6 +91,8 @@ def uses_wgmma(op: ir.PagedAttention, arch: str = "sm_90") -> bool:
 
 def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
     D = op.head_dim
+    wgmma = uses_wgmma(op, arch)
+    warps = WG_WARPS if wgmma else WARPS
     bn_prefill = 32  # two prefill tiles share a 64-row stage: a 4-deep pipeline in 2 stages' smem
     kv_rows = max(WARPS * DECODE_TILE, bn_prefill)
     stages = 2
@@ -88,18 +100,19 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
     tiles = (2 if op.quantized else 2 * stages) * tile
     raw_stage = 2 * kv_rows * (D + 4) if op.quantized else 0
     mt_prefill = 2 if D <= 128 else 1  # 32 rows a warp halve smem reads per mma; D=256 lacks the registers
-    q_bytes = WARPS * 16 * mt_prefill * (D + 8) * 2  # resident Q rows
+    q_bytes = WARPS * 16 * mt_prefill * (D + 8) * 2  # resident Q rows (decode: its third K/V stage)
     combine = WARPS * 16 * (D + 4) * 4 + 2 * WARPS * 16 * 4
     smem = max(tiles + stages * raw_stage + q_bytes, combine)
-    if not uses_wgmma(op, arch):
+    if not wgmma:
         return Layout(bn_prefill, mt_prefill, kv_rows, stages, smem, min_blocks=2 if D <= 128 else 1)
-    # wgmma: 64 rows x bn_wg positions a tile (S: bn_wg / 2 registers a thread, O: D / 2), three TMA
-    # stages of K + V, + 1 KB to align them; two blocks a SM (decode blocks need the same smem)
-    bn_wg = 64 if D == 128 else 128
-    stages_wg = 3
+    # wgmma: 2 warpgroups x 64 rows share bn_wg-position K/V tiles (S: bn_wg / 2 registers a thread,
+    # O: D / 2); TMA stages of K + V, + 1 KB to align them; one 8-warp block a SM, whose decode
+    # items run as two 4-warp groups, each with the mma.sync path's smem
+    bn_wg, stages_wg = WG_TILE[D]
     smem_prefill = stages_wg * 2 * bn_wg * D * 2 + 1024
-    return Layout(bn_prefill, mt_prefill, kv_rows, stages, max(smem, smem_prefill), min_blocks=2, wgmma=True,
-                  bn_wg=bn_wg, stages_wg=stages_wg, smem_prefill=smem_prefill)
+    groups = warps // WARPS
+    return Layout(bn_prefill, mt_prefill, kv_rows, stages, max(groups * smem, smem_prefill), min_blocks=1, warps=warps,
+                  wgmma=True, bn_wg=bn_wg, stages_wg=stages_wg, smem_prefill=smem_prefill)
 
 
 def _c_float(x: float) -> str:
@@ -116,7 +129,8 @@ def template_context(op: ir.PagedAttention, arch: str = "sm_90") -> tuple[str, d
         quantized=op.quantized, num_splits=op.num_splits, write_lse=op.return_lse and op.num_splits == 1,
         window=op.window, softcap=op.softcap, softcap_c=_c_float(op.softcap or 1.0), alibi=op.alibi,
         scale_c=_c_float(op.sm_scale), bn_prefill=lay.bn_prefill, mt_prefill=lay.mt_prefill, kv_rows=lay.kv_rows, stages=lay.stages,
-        smem_bytes=lay.smem_bytes, min_blocks=lay.min_blocks, prefill_rows=lay.prefill_rows, wgmma=lay.wgmma,
+        smem_bytes=lay.smem_bytes, min_blocks=lay.min_blocks, prefill_rows=lay.prefill_rows, groups=lay.decode_groups,
+        wgmma=lay.wgmma,
         bn_wg=lay.bn_wg, stages_wg=lay.stages_wg, smem_prefill=lay.smem_prefill)
 
 
@@ -138,7 +152,7 @@ def choose_splits(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_
     lay = layout(op, arch)
     tile_tokens = lay.prefill_rows // op.group_size
     items = (min(num_tokens, num_seqs) if decode_like else -(-num_tokens // tile_tokens)) * op.num_kv_heads
-    slots = num_sms * lay.blocks_per_sm
+    slots = num_sms * lay.blocks_per_sm * (lay.decode_groups if decode_like else 1)
     if items >= slots:
         return 1
     limit = min(MAX_SPLITS, max(1, max_kv_len // MIN_SPLIT_LEN))
