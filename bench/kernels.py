@@ -102,38 +102,65 @@ def _kv(shape, dtype: str) -> torch.Tensor:
     return x.to(_torch_dtype(dtype))
 
 
+# the tracked reshape_and_cache rows: (num_tokens, dtype, kv_dtype, rope) at Hkv=8, D=128, P=16
+RESHAPE_CASES = [(32768, "fp16", "fp16", False), (32768, "bf16", "int8", False), (32768, "bf16", "fp8_e4m3", False),
+                 (32768, "bf16", "bf16", True), (256, "bf16", "bf16", False)]
+
+
+@dataclass
+class ReshapeCase:
+    op: ir.ReshapeAndCache
+    args: dict  # CUDA tensors named as in op.params(): random k, v (and positions); caches full of data
+    nbytes: int  # bytes read (k, v, slots) + written (cache rows, scales)
+    shape: str
+
+    @property
+    def small(self) -> bool:  # timed as CUDA-graph replays (launch gaps would dominate)
+        return self.args["k"].shape[0] <= 4096
+
+
+def reshape_op(T: int, dt_in: str, dt_kv: str, rope: bool, Hkv: int = 8, D: int = 128, P: int = 16) -> ir.ReshapeAndCache:
+    """The op of a RESHAPE_CASES row (T is the batch: the op does not depend on it)."""
+    return ir.ReshapeAndCache(Hkv, D, P, dtype=dt_in, kv_dtype=dt_kv, rope=rope)
+
+
+def reshape_case(T: int, dt_in: str, dt_kv: str, rope: bool, Hkv: int = 8, D: int = 128, P: int = 16) -> ReshapeCase:
+    """T distinct random slots in a cache of twice the pages needed (no -1: every row is written)."""
+    num_pages = T // P * 2
+    op = reshape_op(T, dt_in, dt_kv, rope, Hkv, D, P)
+    args = dict(k=_kv((T, Hkv, D), dt_in), v=_kv((T, Hkv, D), dt_in),
+                slot_mapping=torch.randperm(num_pages * P, device="cuda")[:T].contiguous(),
+                k_cache=_kv((num_pages, P, Hkv, D), dt_kv), v_cache=_kv((num_pages, P, Hkv, D), dt_kv))
+    if op.quantized:
+        args.update(k_scale=torch.ones(num_pages, P, Hkv, device="cuda"), v_scale=torch.ones(num_pages, P, Hkv, device="cuda"))
+    if rope:
+        args["positions"] = torch.randint(0, 32768, (T,), device="cuda")
+    out_item = torch.empty((), dtype=_torch_dtype(dt_kv)).element_size()
+    nbytes = 2 * T * Hkv * D * (args["k"].element_size() + out_item) + T * 8 + (2 * T * Hkv * 4 if op.quantized else 0)
+    shape = f"T={T} Hkv={Hkv} D={D} P={P} {dt_in}->{dt_kv}{' +rope' if rope else ''}"
+    return ReshapeCase(op, args, nbytes, shape)
+
+
 def reshape_rows(ctx: BenchContext) -> list[dict]:
     from uacompile.targets.cuda import api
 
-    rows, Hkv, D, P = [], 8, 128, 16
-    cases = [(32768, "fp16", "fp16", False), (32768, "bf16", "int8", False), (32768, "bf16", "fp8_e4m3", False),
-             (32768, "bf16", "bf16", True), (256, "bf16", "bf16", False)]
-    if ctx.quick:
-        cases = cases[:1] + cases[-1:]
-    for T, dt_in, dt_kv, rope in cases:
-        num_pages = T // P * 2
-        k, v = _kv((T, Hkv, D), dt_in), _kv((T, Hkv, D), dt_in)
-        slots = torch.randperm(num_pages * P, device="cuda")[:T].contiguous()
-        kc, vc = _kv((num_pages, P, Hkv, D), dt_kv), _kv((num_pages, P, Hkv, D), dt_kv)
-        quant = dt_kv in ir.QUANT_DTYPES
-        ks = torch.ones(num_pages, P, Hkv, device="cuda") if quant else None
-        vs = torch.ones_like(ks) if quant else None
-        pos = torch.randint(0, 32768, (T,), device="cuda") if rope else None
-        ours = lambda: api.reshape_and_cache(k, v, kc, vc, slots, ks, vs, pos)  # noqa: E731
-        out_item = torch.empty((), dtype=_torch_dtype(dt_kv)).element_size()
-        nbytes = 2 * T * Hkv * D * (k.element_size() + out_item) + T * 8 + (2 * T * Hkv * 4 if quant else 0)
-        small = T <= 4096
-        ms = time_ms(ours, iters=50 if small else 10, graph=small)
-        shape = f"T={T} Hkv={Hkv} D={D} P={P} {dt_in}->{dt_kv}{' +rope' if rope else ''}"
-        rows.append(row("reshape_and_cache", shape, "uacompile", gbps=nbytes / ms / 1e6, ms=ms,
-                        pct_ceiling=100 * nbytes / ms / 1e6 / ctx.copy_gbps))
-        if not quant and not rope:  # torch's scatter of the same rows (no -1 handling, no fusion)
-            kf, vf = kc.view(-1, Hkv, D), vc.view(-1, Hkv, D)
-            base = lambda: (kf.index_copy_(0, slots, k), vf.index_copy_(0, slots, v))  # noqa: E731
-            ms = time_ms(base, iters=50 if small else 10, graph=small)
-            rows.append(row("reshape_and_cache", shape, "torch index_copy_ x2", gbps=nbytes / ms / 1e6, ms=ms,
-                            pct_ceiling=100 * nbytes / ms / 1e6 / ctx.copy_gbps))
-        del k, v, kc, vc, ks, vs
+    rows = []
+    cases = RESHAPE_CASES[:1] + RESHAPE_CASES[-1:] if ctx.quick else RESHAPE_CASES
+    for case_args in cases:
+        case = reshape_case(*case_args)
+        a, Hkv, D = case.args, case.op.num_kv_heads, case.op.head_dim
+        ours = lambda: api.kernel(case.op)(**a)  # noqa: E731
+        iters = 50 if case.small else 10
+        ms = time_ms(ours, iters=iters, graph=case.small)
+        rows.append(row("reshape_and_cache", case.shape, "uacompile", gbps=case.nbytes / ms / 1e6, ms=ms,
+                        pct_ceiling=100 * case.nbytes / ms / 1e6 / ctx.copy_gbps))
+        if not case.op.quantized and not case.op.rope:  # torch's scatter of the same rows (no -1 handling, no fusion)
+            kf, vf = a["k_cache"].view(-1, Hkv, D), a["v_cache"].view(-1, Hkv, D)
+            base = lambda: (kf.index_copy_(0, a["slot_mapping"], a["k"]), vf.index_copy_(0, a["slot_mapping"], a["v"]))  # noqa: E731
+            ms = time_ms(base, iters=iters, graph=case.small)
+            rows.append(row("reshape_and_cache", case.shape, "torch index_copy_ x2", gbps=case.nbytes / ms / 1e6, ms=ms,
+                            pct_ceiling=100 * case.nbytes / ms / 1e6 / ctx.copy_gbps))
+        del case, a
     return rows
 
 

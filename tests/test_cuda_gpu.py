@@ -19,11 +19,14 @@ RESHAPE = [
     R(4, 96, dtype="bf16", kv_dtype="bf16", page_size=32), R(2, 256, page_size=8), R(4, 128, dtype="fp32", kv_dtype="fp32"),
     R(8, 128, kv_dtype="int8"), R(4, 80, dtype="bf16", kv_dtype="int8", page_size=64), R(2, 256, kv_dtype="int8", page_size=2),
     R(8, 128, kv_dtype="fp8_e4m3"), R(2, 96, dtype="bf16", kv_dtype="fp8_e4m3", page_size=128), R(1, 64, kv_dtype="fp8_e4m3", page_size=4),
+    R(8, 8, kv_dtype="int8"), R(3, 7, kv_dtype="fp8_e4m3"),  # one lane per row (2 heads per lane group); odd sizes
 ]
 RESHAPE_ROPE = [
     R(8, 128, rope=True), R(4, 80, dtype="bf16", kv_dtype="bf16", rope=True, rope_theta=1e6),
     R(2, 64, rope=True, rope_interleaved=True), R(4, 128, kv_dtype="int8", rope=True),
     R(2, 96, dtype="bf16", kv_dtype="fp8_e4m3", rope=True, rope_interleaved=True),
+    # rotate-half without the paired-lane layout: 2 vectors per lane; 1-element vectors
+    R(2, 256, dtype="fp32", kv_dtype="fp32", rope=True), R(2, 6, kv_dtype="int8", rope=True),
 ]
 COPY = [C(8, 128), C(2, 80, page_size=256, kv_dtype="bf16"), C(1, 64, page_size=1, kv_dtype="int8"),
         C(4, 96, page_size=32, kv_dtype="fp8_e4m3"), C(2, 256, page_size=8, kv_dtype="fp32")]
@@ -115,10 +118,11 @@ def test_reshape_and_cache(op, rng):
     check_reshape(op, dev, want)
 
 
-@pytest.mark.parametrize("op", [RESHAPE[0], RESHAPE[7], RESHAPE[11], RESHAPE_ROPE[0], RESHAPE_ROPE[4]],
-                         ids=lambda o: f"{o.dtype}-{o.kv_dtype}-D{o.head_dim}-H{o.num_kv_heads}{'-rope' if o.rope else ''}")
+@pytest.mark.parametrize("op", [RESHAPE[0], RESHAPE[3], RESHAPE[7], RESHAPE[9], RESHAPE[11], RESHAPE[13], *RESHAPE_ROPE],
+                         ids=lambda o: f"{o.dtype}-{o.kv_dtype}-D{o.head_dim}-H{o.num_kv_heads}{'-rope-' + ('gptj' if o.rope_interleaved else 'neox') if o.rope else ''}")
 def test_reshape_and_cache_large_batch(op, rng):
-    """Enough tokens for the launcher's many-heads-per-lane-group path."""
+    """Enough tokens for the launcher's big-task path (several heads per step, whole-token
+    tasks with RoPE) and for several tasks per lane group (the load pipeline)."""
     inp, want, dev = _run_reshape(op, rng, num_tokens=8192, num_pages=8192 * 2 // op.page_size)
     check_reshape(op, dev, want)
 

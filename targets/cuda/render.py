@@ -64,7 +64,20 @@ def lane_group(chunks: int) -> int:
 
 
 # ---------------------------------------------------------------- per-op context builders
-def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str):
+def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
+    """Template context; `design` overrides the tuned choices (bench/reshape_sweep.py builds
+    candidates that way, in worker processes, through UACOMPILE_RC_VARIANT="rows=4,waves=0"):
+    rows (R heads per step; divides Hkv), steps (S steps per task; R*S divides Hkv), threads,
+    waves (grid cap in resident-block waves, 0 = one task per lane group), min_blocks
+    (__launch_bounds__ minimum), stages (steps in flight through shared memory by cp.async; 0 =
+    a register double buffer), fast_quant (0/1), neox ("paired" / "reload")."""
+    import os
+
+    if not design and os.environ.get("UACOMPILE_RC_VARIANT"):
+        design = dict(kv.split("=", 1) for kv in os.environ["UACOMPILE_RC_VARIANT"].split(","))
+    unknown = set(design) - {"rows", "steps", "threads", "waves", "min_blocks", "stages", "fast_quant", "neox"}
+    if unknown:
+        raise ValueError(f"reshape_and_cache design: unknown knobs {sorted(unknown)}")
     size = ir.itemsize(op.dtype)
     vec = vector_width(op.head_dim, size)
     if op.rope and not op.rope_interleaved:  # the rotate-half partner must start a vector
@@ -74,11 +87,25 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str):
     chunks = op.head_dim // vec
     group = lane_group(chunks)
     per_lane = -(-chunks // group)
-    # heads per lane group: the largest divisor of Hkv with <= 8 vectors per lane in flight
-    # (<= 2 when quantising: its per-row reduce + math then overlaps other groups' loads;
-    # measured on the H200, 8 rows made int8/fp8 writes 20% slower than 1)
-    cap = 2 if op.quantized else 8
-    rows = max(r for r in range(1, op.num_kv_heads + 1) if op.num_kv_heads % r == 0 and r * per_lane <= cap)
+    Hkv = op.num_kv_heads
+    # R: the largest divisor of Hkv with <= 2 vectors per lane and row (a step holds 2R rows, K
+    # and V, and the pipeline two steps). S: RoPE computes its angles once per task, so a task
+    # is the whole token; otherwise one step per task (finer work balance).
+    rows = int(design.get("rows", max(r for r in range(1, Hkv + 1) if Hkv % r == 0 and r * per_lane <= 2)))
+    steps = int(design.get("steps", Hkv // rows if op.rope else 1))
+    # RoPE's float64 math holds ~75 registers: its steps in flight go through shared memory
+    # instead (3 stages: 60 KB a block at R=2, 3 blocks an SM); cp.async moves >= 4 bytes
+    stages = int(design.get("stages", 3 if op.rope else 0)) if vec * size >= 4 else 0
+    if Hkv % (rows * steps):
+        raise ValueError(f"reshape_and_cache design: rows * steps = {rows * steps} must divide Hkv = {Hkv}")
+    if not op.rope:
+        mode = ""
+    elif op.rope_interleaved:
+        mode = "interleaved"
+    elif per_lane == 1 and vec % 2 == 0 and design.get("neox", "paired") == "paired":
+        mode = "paired"  # one sincos per pair, the halves exchanged by shuffles
+    else:
+        mode = "reload"
     inv_freq = []
     if op.rope:  # the reference's float64 inv_freq, same expression, printed exactly (repr round-trips)
         import numpy as np
@@ -86,9 +113,11 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str):
         D = op.head_dim
         inv_freq = [repr(float(f)) for f in 1.0 / op.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D)]
     return "cuda/reshape_and_cache.cu.j2", dict(
-        Hkv=op.num_kv_heads, D=op.head_dim, P=op.page_size, in_ctype=CTYPE[op.dtype], cache_ctype=CTYPE[op.kv_dtype],
-        vec=vec, group=group, rows=rows, threads=256, quantized=op.quantized, rope=op.rope,
-        rope_theta=op.rope_theta, inv_freq=inv_freq, rope_interleaved=op.rope_interleaved)
+        Hkv=Hkv, D=op.head_dim, P=op.page_size, in_ctype=CTYPE[op.dtype], cache_ctype=CTYPE[op.kv_dtype],
+        vec=vec, group=group, rows=rows, steps=steps, stages=stages, threads=int(design.get("threads", 256)),
+        waves=int(design.get("waves", 1)), min_blocks=int(design.get("min_blocks", 0)),
+        fast_quant=bool(int(design.get("fast_quant", 1))), quantized=op.quantized, rope=op.rope,
+        rope_theta=op.rope_theta, inv_freq=inv_freq, rope_interleaved=op.rope_interleaved, rope_mode=mode)
 
 
 def _page_copy(op):

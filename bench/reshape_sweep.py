@@ -1,0 +1,246 @@
+"""reshape_and_cache design sweep, run on the device: one table of GB/s and % of the copy ceiling.
+
+    PYTHONPATH=... python3 bench/reshape_sweep.py [--only rows4,oneshot] [--list]   # JSON to $OUT if set
+
+A candidate is the template built with other design knobs (`_reshape_and_cache` in
+targets/cuda/render.py; UACOMPILE_RC_VARIANT is set only in the build worker processes, so
+the parallel builds do not see each other's knobs). Each candidate is one library holding
+the ops of bench/kernels.py RESHAPE_CASES. For every case and candidate: a correctness run
+on poisoned caches with every 5th slot -1, against the numpy reference (bit for bit; K with
+fused RoPE as tests/test_cuda_gpu.py allows, <= 1e-4 of the written rows, and bit for bit with
+the first candidate), then CUDA-event timing (warm-up, median of 21 samples) with every slot
+written. The copy ceiling (a 1 GiB torch copy_) is measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+# name -> design knobs ("" = the production choice); the knobs are documented in _reshape_and_cache
+CANDIDATES = {
+    "default": "",
+    "stages0": "stages=0",  # register double buffer for every variant
+    "stages2": "stages=2",  # steps in flight through shared memory (cp.async) for every variant
+    "stages3": "stages=3",
+    "stages4": "stages=4",
+    "stages4-t128": "stages=4,threads=128",
+    "rows1": "rows=1",
+    "rows4": "rows=4",
+    "stages3-rows1": "stages=3,rows=1",
+    "oneshot": "waves=0",  # one task per lane group: grid over all tasks
+    "waves2": "waves=2",
+    "threads128": "threads=128",
+    "threads512": "threads=512",
+    "minblocks4": "min_blocks=4",  # <= 64 registers at 256 threads
+    "stages2-minblocks4": "stages=2,min_blocks=4",
+    "steps1": "steps=1",  # RoPE angles per step (R heads) instead of per token
+    "slowquant": "fast_quant=0",  # the general quantisation path for every row
+    "neox-reload": "neox=reload",  # rotate-half by re-reading the partner, one angle per element
+}
+
+
+def build_worker(design: str, ops: list, arch: str) -> tuple[str, float]:
+    """In a worker process: build one candidate's library (the knobs are read at render)."""
+    if design:
+        os.environ["UACOMPILE_RC_VARIANT"] = design
+    else:
+        os.environ.pop("UACOMPILE_RC_VARIANT", None)
+    from uacompile.targets.cuda.build import build
+
+    res = build(ops, arch)
+    return str(res.path), res.seconds
+
+
+def build_all(names: list[str], ops: list, arch: str) -> tuple[dict, dict]:
+    """Parallel nvcc runs, one per candidate: {name: library}, {name: error}."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from uacompile.targets.cuda.loader import load_library
+
+    libs, failed = {}, {}
+    workers = max(1, min(len(names), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {name: pool.submit(build_worker, CANDIDATES[name], ops, arch) for name in names}
+        for name, fut in futures.items():
+            try:
+                path, _ = fut.result()
+                libs[name] = load_library(path, ops)
+            except Exception as e:  # noqa: BLE001 - a candidate that does not build is a row, not the end
+                failed[name] = f"build: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__}"
+    return libs, failed
+
+
+# ---------------------------------------------------------------- correctness
+def to_numpy(t, dtype: str):
+    import torch
+
+    from uacompile.ir import numpy_dtype
+
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().view(numpy_dtype(dtype)).reshape(tuple(t.shape))
+
+
+def expected_outputs(case, check_slots) -> dict:
+    """The reference's caches and scales (written rows on a poison background), as bytes on the GPU."""
+    import numpy as np
+    import torch
+
+    from uacompile import reference
+    from uacompile.ir import numpy_dtype
+
+    op, a = case.op, case.args
+    specs = {p.name: p for p in op.tensors()}
+    arrays = dict(k=to_numpy(a["k"], op.dtype), v=to_numpy(a["v"], op.dtype), slot_mapping=check_slots.cpu().numpy())
+    if op.rope:
+        arrays["positions"] = a["positions"].cpu().numpy()
+    outs = [n for n in ("k_cache", "v_cache", "k_scale", "v_scale") if n in a]
+    for n in outs:
+        raw = np.full(a[n].numel() * a[n].element_size(), 0xFF, np.uint8)
+        arrays[n] = raw.view(numpy_dtype(specs[n].dtype)).reshape(tuple(a[n].shape))
+    reference.reshape_and_cache(op, **arrays)
+    return {n: torch.from_numpy(arrays[n].reshape(-1).view(np.uint8)).cuda() for n in outs}
+
+
+def check(kern, case, check_slots, expected: dict, first: dict) -> str:
+    """'ok', or what differs. first: the first candidate's outputs (filled by its call)."""
+    import torch
+
+    op = case.op
+    run_args = dict(case.args, slot_mapping=check_slots)
+    for n in expected:
+        run_args[n].view(torch.uint8).fill_(0xFF)  # poison: NaN / -1 where nothing is written
+    kern(**run_args)
+    torch.cuda.synchronize()
+    bad = []
+    for n, want in expected.items():
+        got = run_args[n].view(torch.uint8).reshape(-1)
+        if op.rope and n in ("k_cache", "k_scale"):  # device sincos vs libm: compare rows, then designs bit for bit
+            if n == "k_cache":
+                row_bytes = op.head_dim * run_args[n].element_size()
+                rows_bad = int((got.view(-1, row_bytes) != want.view(-1, row_bytes)).any(1).sum())
+                written = int((check_slots >= 0).sum()) * op.num_kv_heads
+                if rows_bad > 1e-4 * written:
+                    bad.append(f"{n}: {rows_bad} of {written} rows differ from the reference")
+            if n in first and not torch.equal(got, first[n]):
+                bad.append(f"{n}: {int((got != first[n]).sum())} bytes differ from the first candidate")
+            first.setdefault(n, got.clone())
+        elif not torch.equal(got, want):
+            bad.append(f"{n}: {int((got != want).sum())} of {got.numel()} bytes differ")
+    return "; ".join(bad) or "ok"
+
+
+# ---------------------------------------------------------------- report
+def short(shape: str) -> str:
+    """'T=32768 Hkv=8 D=128 P=16 bf16->int8' -> 'bf16->int8' (T kept when not the big batch)."""
+    parts = shape.split()
+    return " ".join(([parts[0]] if parts[0] != "T=32768" else []) + parts[4:])
+
+
+def table(rows: list[dict], names: list[str], shapes: list[str]) -> str:
+    width, cell = max(len(n) for n in ["candidate", *names]), 22
+    head = f"{'candidate':<{width}} | " + " | ".join(f"{short(s):>{cell}}" for s in shapes) + " | min % (T=32768)"
+    lines = [head, "-" * len(head)]
+    by = {(r["candidate"], r["shape"]): r for r in rows}
+    for n in names:
+        cells, big = [], []
+        for s in shapes:
+            r = by.get((n, s))
+            if r is None or "gbps" not in r:
+                cells.append(f"{'-':>{cell}}")
+                continue
+            flag = "" if r["check"] == "ok" else " !"
+            cells.append(f"{r['gbps']:6.0f} {r['pct_ceiling']:3.0f}% {r['us']:6.1f}us{flag:>2}")
+            if s.startswith("T=32768"):
+                big.append(r["pct_ceiling"])
+        lines.append(f"{n:<{width}} | " + " | ".join(cells) + (f" | {min(big):.1f}" if big else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma list of candidates (the first is the K reference for RoPE)")
+    ap.add_argument("--list", action="store_true", help="print the candidates and exit")
+    ap.add_argument("--repeats", type=int, default=21, help="timing samples per candidate and case (median)")
+    args = ap.parse_args(argv)
+    if args.list:
+        for n, d in CANDIDATES.items():
+            print(f"{n:16} {d or '(production)'}")
+        return 0
+    names = [n for n in args.only.split(",") if n] or list(CANDIDATES)
+    unknown = [n for n in names if n not in CANDIDATES]
+    if unknown:
+        ap.error(f"unknown candidates {unknown}; --list shows them")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench/reshape_sweep.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(BENCH_DIR))
+    import kernels as kb
+
+    from uacompile.targets.cuda import api
+    from uacompile.targets.cuda.build import default_arch
+
+    t_start = time.perf_counter()
+    torch.manual_seed(0)
+    ops = [kb.reshape_op(*c) for c in kb.RESHAPE_CASES]
+    libs, failed = build_all(names, ops, default_arch())
+    build_s = time.perf_counter() - t_start
+    print(f"[sweep] built {len(libs)} of {len(names)} candidates in {build_s:.1f} s", flush=True)
+
+    ctx = kb.BenchContext(gpu=torch.cuda.get_device_name())
+    kb.copy_ceiling(ctx)
+    rows, shapes = [], []
+    for case_args in kb.RESHAPE_CASES:
+        t0 = time.perf_counter()
+        case = kb.reshape_case(*case_args)
+        shapes.append(case.shape)
+        check_slots = case.args["slot_mapping"].clone()
+        check_slots[::5] = -1
+        expected = expected_outputs(case, check_slots)
+        first: dict = {}
+        for n in names:
+            if n not in libs:
+                rows.append(dict(shape=case.shape, candidate=n, design=CANDIDATES[n], check=failed[n]))
+                continue
+            kern = api.CudaKernel(case.op, library=libs[n])
+            status = check(kern, case, check_slots, expected, first)
+            ms = kb.time_ms(lambda: kern(**case.args), iters=50 if case.small else 5, repeats=args.repeats,
+                            graph=case.small)
+            gbps = case.nbytes / ms / 1e6
+            rows.append(dict(shape=case.shape, candidate=n, design=CANDIDATES[n], gbps=round(gbps, 1),
+                             pct_ceiling=round(100 * gbps / ctx.copy_gbps, 2), us=round(ms * 1e3, 2), check=status))
+        print(f"[sweep] {case.shape}: {time.perf_counter() - t0:.1f} s", flush=True)
+        del case, expected, first
+        torch.cuda.empty_cache()
+
+    print(f"\n# reshape_and_cache sweep, {ctx.gpu}, copy ceiling {ctx.copy_gbps:.0f} GB/s "
+          f"(GB/s = bytes read + written; % of the ceiling; median us)\n")
+    print(table(rows, names, shapes))
+    for r in rows:
+        if r["check"] != "ok":
+            print(f"! {r['candidate']} {short(r['shape'])}: {r['check']}")
+    ranked = [n for n in names if n in libs and all(r["check"] == "ok" for r in rows if r["candidate"] == n)]
+    big = {n: min(r["pct_ceiling"] for r in rows if r["candidate"] == n and r["shape"].startswith("T=32768")) for n in ranked}
+    if big:
+        best = max(big, key=big.get)
+        print(f"\nbest by the smallest % over the T=32768 rows: {best} ({CANDIDATES[best] or 'production'}): {big[best]:.1f}%")
+    print(f"[sweep] total {time.perf_counter() - t_start:.1f} s")
+    if os.environ.get("OUT"):
+        out = Path(os.environ["OUT"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "reshape_sweep.json").write_text(json.dumps(dict(
+            gpu=ctx.gpu, torch=torch.__version__, copy_ceiling_gbps=round(ctx.copy_gbps, 1), build_seconds=round(build_s, 1),
+            candidates={n: CANDIDATES[n] for n in names}, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
