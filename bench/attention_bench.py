@@ -276,7 +276,7 @@ def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None
     for B, L in DECODE_SHAPES:
         for s in {attention.choose_splits(op_of(), B, B, L), *sweep}:
             if s > 1:
-                ops += [op_of(num_splits=s), ir.MergeState(HQ, D, s, "bf16")]
+                ops.append(op_of(num_splits=s, fused_merge=True))  # what paged_attention() launches
     with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
         list(pool.map(api.kernel, ops))
     log(f"# built {len(ops)} attention variants in {time.perf_counter() - t0:.1f} s")

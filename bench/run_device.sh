@@ -2,6 +2,7 @@
 # On the device (the `run` tool, carry [".whl"] and ".peers" for FlashInfer rows):
 #   bash bench/run_device.sh                      # all GPU tests, then the whole benchmark
 #   UA_GPU_TESTS=tests/test_cuda_gpu.py UA_BENCH_ARGS="--only cache,swap,build" bash bench/run_device.sh
+#   UA_GPU_TESTS=tests/test_cuda_decode_gpu.py UA_BENCH_SCRIPT="bench/decode_sweep.py --extra" bash bench/run_device.sh
 # Installs the carried wheels (cffi, pycparser, ...), makes the package importable without
 # installing the repo, runs `pytest -m gpu`, then bench/kernels.py; logs, JSON and table go to $OUT.
 set -uo pipefail
@@ -26,7 +27,12 @@ if [ "${UA_SKIP_TESTS:-0}" != 1 ]; then
   rc=${PIPESTATUS[0]}
 fi
 if [ "${UA_SKIP_BENCH:-0}" != 1 ]; then
-  python3 bench/kernels.py --out "$OUT" ${UA_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
-  rc=$(( rc || PIPESTATUS[0] ))
+  if [ -n "${UA_BENCH_SCRIPT:-}" ]; then  # another bench script (with its arguments) instead of kernels.py
+    python3 ${UA_BENCH_SCRIPT} 2>&1 | tee "$OUT/bench.log"
+    rc=$(( rc || PIPESTATUS[0] ))
+  else
+    python3 bench/kernels.py --out "$OUT" ${UA_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+    rc=$(( rc || PIPESTATUS[0] ))
+  fi
 fi
 exit $rc

@@ -54,8 +54,7 @@ CALL_SPLITS = (2, 5, 11)
 def _all_ops():
     ops = list(CASES.values()) + list(SPLIT_CASES.values())
     for op in CALL_OPS:
-        ops += [op.replace(num_splits=s, return_lse=False) for s in CALL_SPLITS] + [op]
-        ops += [ir.MergeState(op.num_q_heads, op.head_dim, s, op.q_dtype, op.return_lse) for s in CALL_SPLITS]
+        ops += [op.replace(num_splits=s, fused_merge=True) for s in CALL_SPLITS] + [op]  # the call function's
     return ops
 
 
@@ -217,7 +216,7 @@ def test_split_choice_fills_the_gpu():
     assert attention.choose_splits(op, 8, 8, 16384) > 1
     assert attention.choose_splits(op, 1, 1, 300) == 1  # too short to split
     assert attention.choose_splits(op.replace(variant="unified_masked"), 1, 1, 32768) == 1
-    slots = attention.H200_SMS * attention.layout(op).blocks_per_sm
+    slots = attention.H200_SMS * attention.layout(op).blocks_per_sm * attention.layout(op).decode_groups
     for T, L in [(1, 32768), (8, 16384), (32, 4096)]:
         s = attention.choose_splits(op, T, T, L)
         assert T * op.num_kv_heads * s <= 2 * slots

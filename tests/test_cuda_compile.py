@@ -33,6 +33,8 @@ PA = ir.PagedAttention
 # the attention helper's representative set (targets/cuda/attention.py owns their templates)
 ATTENTION_VARIANTS = [
     PA(32, 8, 128, 16, "bf16", "bf16"), PA(32, 8, 128, 16, "fp16", "fp16", num_splits=4),
+    PA(32, 8, 128, 16, "bf16", "bf16", num_splits=5, fused_merge=True, return_lse=True),
+    PA(16, 2, 64, 8, "fp16", "int8", window=64, num_splits=3, fused_merge=True),
     PA(16, 1, 64, 1, "fp16", "int8"), PA(8, 8, 80, 256, "bf16", "fp8_e4m3", window=128),
     PA(24, 2, 96, 32, "fp16", "fp16", softcap=30.0, alibi=True, return_lse=True), PA(16, 2, 256, 64, "bf16", "bf16"),
     PA(32, 8, 128, 16, "bf16", "bf16", variant="unified_masked"),

@@ -9,6 +9,7 @@ from uacompile.program import Program, choose_num_splits, dead_op_elimination, r
 
 EXAMPLES = [PagedAttention(32, 8, 128, 16, "bf16", "bf16"), PagedAttention(8, 4, 8, 16, "fp32", "fp32"),
             PagedAttention(8, 2, 64, 16, "fp16", "int8", alibi=True, num_splits=4),
+            PagedAttention(8, 2, 64, 16, "fp16", "fp16", num_splits=4, fused_merge=True, return_lse=True),
             ReshapeAndCache(8, 128, 16, "bf16", "fp8_e4m3", rope=True), CopyBlocks(8, 128, 16, "int8"),
             SwapBlocks(8, 128, 16, "bf16"), MergeState(32, 128, 8, "bf16", return_lse=True)]
 
@@ -26,6 +27,8 @@ EXAMPLES = [PagedAttention(32, 8, 128, 16, "bf16", "bf16"), PagedAttention(8, 4,
     (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, scale=0.0), "paged_attention.scale"),
     (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, variant="dense"), "paged_attention.variant"),
     (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, num_splits=0), "paged_attention.num_splits"),
+    (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, fused_merge=True), "paged_attention.fused_merge"),
+    (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, num_splits=2, fused_merge=1), "paged_attention.fused_merge"),
 ])
 def test_invalid_attention_names_field(kwargs, field):
     with pytest.raises(IRError) as e:
@@ -81,6 +84,7 @@ def test_params_follow_options():
     assert "k_scale" not in names(PagedAttention(8, 8, 64))
     assert "alibi_slopes" in names(PagedAttention(8, 8, 64, alibi=True))
     assert names(PagedAttention(8, 8, 64, num_splits=2))[-6:-4] == ["o_partial", "lse_partial"]
+    assert names(PagedAttention(8, 8, 64, num_splits=2, fused_merge=True))[-7:-4] == ["lse_partial", "split_counters", "out"]
     assert "lse" in names(PagedAttention(8, 8, 64, return_lse=True))
     assert "positions" in names(ReshapeAndCache(8, 64, rope=True))
 

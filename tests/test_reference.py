@@ -71,6 +71,10 @@ def test_split_kv_then_merge_equals_unsplit(kv_lens, splits, seed):
     mo, ml = R.merge_state(MergeState(4, 8, splits, "fp32"), o_p, lse_p)
     np.testing.assert_allclose(mo, out, atol=1e-12)
     np.testing.assert_allclose(ml, lse, atol=1e-12)
+    fo, fl = R.paged_attention(op.replace(num_splits=splits, fused_merge=True), **d,
+                               split_counters=np.zeros((len(d["q"]), 2), np.int32))  # the fused form: out, lse
+    np.testing.assert_allclose(fo, out, atol=1e-12)
+    np.testing.assert_allclose(fl, lse, atol=1e-12)
 
 
 def test_split_ranges_cover_the_visible_range():

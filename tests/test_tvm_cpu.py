@@ -38,6 +38,8 @@ def poisoned_outputs(op, sizes):
 
 def run_attention(op, inp):
     outs = poisoned_outputs(op, inp)
+    if op.fused_merge:  # the workspace: zero on entry (and on exit)
+        outs["split_counters"] = np.zeros((inp["num_tokens"], op.num_kv_heads), np.int32)
     cpu_kernel(op)(**tensors(inp), **outs)
     return outs
 
@@ -47,11 +49,11 @@ def check_attention(op, rng, kv_lens, q_lens=None, inp=None):
     outs = run_attention(op, inp)
     ref_o, ref_lse = reference.paged_attention(op, **tensors(inp))
     tol = testing.tolerance(op.q_dtype, op.kv_dtype)
-    o_name = "o_partial" if op.num_splits > 1 else "out"
-    got = outs[o_name].astype(np.float64)
+    partials = op.num_splits > 1 and not op.fused_merge
+    got = outs["o_partial" if partials else "out"].astype(np.float64)
     assert np.isfinite(got).all(), "unwritten (NaN) outputs"
     np.testing.assert_allclose(got, ref_o, atol=tol, rtol=0)
-    lse_name = "lse_partial" if op.num_splits > 1 else ("lse" if op.return_lse else None)
+    lse_name = "lse_partial" if partials else ("lse" if op.return_lse else None)
     if lse_name:
         lse = outs[lse_name]
         assert (np.isneginf(lse) == np.isneginf(ref_lse)).all()
@@ -114,6 +116,19 @@ def test_attention_splits_and_merge_state(rng):
     full = run_attention(whole, inp)
     np.testing.assert_allclose(merged["out"].astype(np.float64), full["out"].astype(np.float64), atol=2e-3)
     np.testing.assert_allclose(merged["lse"], full["lse"], atol=1e-4)
+
+
+@pytest.mark.parametrize("op", [PagedAttention(8, 2, 64, num_splits=3, fused_merge=True, return_lse=True),
+                                PagedAttention(8, 4, 64, kv_dtype="int8", window=30, alibi=True, num_splits=4,
+                                               fused_merge=True)], ids=["lse", "int8-window-alibi"])
+def test_attention_fused_merge(rng, op):
+    """fused_merge writes out (and lse) itself; its partials follow the split contract; the
+    counter workspace is zero again afterwards."""
+    inp, outs = check_attention(op, rng, [1, 2, 16, 45, 200], [1, 2, 3, 1, 9])
+    ref_o, ref_lse = reference.paged_attention(op.replace(fused_merge=False), **tensors(inp))
+    np.testing.assert_allclose(outs["o_partial"], ref_o, atol=testing.tolerance(op.q_dtype, op.kv_dtype), rtol=0)
+    assert (np.isneginf(outs["lse_partial"]) == np.isneginf(ref_lse)).all()
+    assert not outs["split_counters"].any()
 
 
 def test_unified_masked_equals_ua(rng):

@@ -26,6 +26,8 @@ VARIANTS = {
     "attn-fp16-all-options": PagedAttention(8, 2, 64, kv_dtype="int8", window=32, softcap=30.0, alibi=True,
                                             return_lse=True),
     "attn-fp8-splits": PagedAttention(8, 1, 256, page_size=8, q_dtype="bf16", kv_dtype="fp8_e4m3", num_splits=4),
+    "attn-fused-merge-lse": PagedAttention(8, 2, 64, kv_dtype="int8", window=40, num_splits=3, fused_merge=True,
+                                           return_lse=True),
     "attn-unified-d8": PagedAttention(4, 4, 8, page_size=4, q_dtype="fp32", kv_dtype="fp32",
                                       variant="unified_masked", return_lse=True),
     "cache-fp16-rope": ReshapeAndCache(8, 128, dtype="fp16", kv_dtype="fp16", rope=True),
@@ -141,9 +143,10 @@ def test_gpu_attention(name, rng):
     got = run_on_gpu(op, inp)
     ref_o, ref_lse = reference.paged_attention(op, **{k: v for k, v in inp.items() if isinstance(v, np.ndarray)})
     tol = testing.tolerance(op.q_dtype, op.kv_dtype)
-    o = got["o_partial" if op.num_splits > 1 else "out"].astype(np.float64)
+    partials = op.num_splits > 1 and not op.fused_merge
+    o = got["o_partial" if partials else "out"].astype(np.float64)
     np.testing.assert_allclose(o, ref_o, atol=tol, rtol=0)
-    lse_name = "lse_partial" if op.num_splits > 1 else ("lse" if op.return_lse else None)
+    lse_name = "lse_partial" if partials else ("lse" if op.return_lse else None)
     if lse_name:
         assert (np.isneginf(got[lse_name]) == np.isneginf(ref_lse)).all()
         fin = np.isfinite(ref_lse)

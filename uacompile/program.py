@@ -152,8 +152,8 @@ def run_reference(prog: Program, arrays: dict) -> dict:
         args = {p.name: env[bind[p.name]] for p in op.tensors() if p.role != "out" and p.name in bind}
         if op.kind in ("paged_attention", "merge_state"):
             res = getattr(reference, op.kind)(op, **args)
-            names = ("o_partial", "lse_partial") if getattr(op, "num_splits", 1) > 1 and op.kind == "paged_attention" \
-                else ("out", "lse")
+            partials = op.kind == "paged_attention" and op.num_splits > 1 and not op.fused_merge
+            names = ("o_partial", "lse_partial") if partials else ("out", "lse")
             for n, v in zip(names, res):
                 if n in bind:
                     env[bind[n]] = v

@@ -81,9 +81,10 @@ def _attend(op, qt, keys, vals, positions, kv_len, slopes):
 
 
 def paged_attention(op: PagedAttention, q, k_cache, v_cache, token_seq, page_table, token_kv_len,
-                    k_scale=None, v_scale=None, alibi_slopes=None):
+                    k_scale=None, v_scale=None, alibi_slopes=None, split_counters=None):
     """Returns (out [T,Hq,D], lse [T,Hq]) in float64, or with num_splits > 1
-    (o_partial [S,T,Hq,D], lse_partial [S,T,Hq])."""
+    (o_partial [S,T,Hq,D], lse_partial [S,T,Hq]). A fused_merge op returns (out, lse),
+    merged from its partials (its split_counters workspace carries no data)."""
     q, P = f64(q), op.page_size
     K = dequantize(k_cache, k_scale) if op.quantized else f64(k_cache)
     V = dequantize(v_cache, v_scale) if op.quantized else f64(v_cache)
@@ -98,6 +99,8 @@ def paged_attention(op: PagedAttention, q, k_cache, v_cache, token_seq, page_tab
             pos = np.arange(a, b)
             pages = np.asarray(page_table[s])[pos // P]
             o_all[i, t], lse_all[i, t] = _attend(op, q[t], K[pages, pos % P], V[pages, pos % P], pos, L, slopes)
+    if op.fused_merge:
+        return merge_state(MergeState(Hq, D, S), o_all, lse_all)
     if S > 1:
         return o_all, lse_all
     return o_all[0], lse_all[0]

@@ -7,13 +7,14 @@ One template (templates/cuda/paged_attention.cu.j2) serves decode tokens, prefil
 and mixed ubatches in one launch; `template_context(op, arch)` is its context builder (render.py
 calls it). On Hopper (sm_90) prefill tiles of 16-bit KV with head_dim 64 or 128 and pages of
 8+ positions run on wgmma with TMA loads (templates/cuda/attention_wgmma.cuh.j2, built for
-sm_90a); everything else runs the mma.sync path, which every arch from sm_80 has. With num_splits > 1 the kernel writes split-KV partials and merge_state (the
-plumbing template) reduces them; `paged_attention()` picks the split count from the
-shapes alone (so a CUDA graph capture fixes it) and keeps the partial workspace cached.
+sm_90a); everything else runs the mma.sync path, which every arch from sm_80 has. With num_splits > 1 the kernel writes split-KV
+partials, and with fused_merge (what `paged_attention()` builds) the last split of each (token,
+KV head) merges them in the same launch (`fused_merge=False`: merge_state, the plumbing template,
+as a second launch); `paged_attention()` picks the split count from the shapes alone (so a CUDA
+graph capture fixes it) and keeps the partial and counter workspaces cached.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ... import ir
@@ -28,6 +29,8 @@ WG_TILE = {128: (128, 3), 64: (128, 6)}
 DECODE_TILE = 16  # K/V positions per warp tile in decode blocks
 MIN_SPLIT_LEN = 256  # a split shorter than this spends more on its merge than it gains
 MAX_SPLITS = 64
+FULL_WAVE = 0.9  # a grid covering this share of the GPU's resident block slots keeps every SM streaming
+TWO_WAVE_BYTES = 1 << 20  # K+V bytes a split must stream to be worth a second wave of blocks
 SMEM_PER_SM = 228 * 1024  # H100 / H200 (sm_90); 1 KB of it is reserved per block
 H200_SMS = 132
 
@@ -140,9 +143,20 @@ def choose_splits(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_
     """Occupancy-aware split count, from shapes only (graph-safe).
 
     Work items = blocks of one split: decode tokens (at most one per sequence) or prefill
-    tiles, times KV heads. Splits multiply the items; pick the count whose waves over the
-    GPU's resident block slots leave the least idle (fewest waves per unit of work), never
-    making a split shorter than MIN_SPLIT_LEN positions.
+    tiles, times KV heads; slots = items the GPU runs at once (resident blocks, times their
+    decode groups on the Hopper path). Fill whole waves and keep splits long:
+    - no split when the items already cover FULL_WAVE of the slots: splitting would only add
+      block starts and partial traffic (32 x 4096 and 128 x 1024 stay at 1);
+    - else fill w waves: up to w * slots // items splits; of the counts that give a block the
+      same number of 64-position tile rounds per warp (its duration), the fewest (less merge
+      work: 1 x 32768 takes 32 splits, not 33);
+    - two waves rather than one when each split still streams >= TWO_WAVE_BYTES of K+V and
+      two waves fill the slots as well (>= FULL_WAVE, or better than one wave): a second wave
+      evens out slow blocks at the cost of one more block start per slot, which a long split
+      amortises (8 x 16384: 8 splits; on the H200 they ran 3710-3728 GB/s in both sweeps, where
+      one wave of 4 ran 3369-3796). Shorter splits stay in one wave (1 x 32768: 1024 positions).
+    Never a split shorter than MIN_SPLIT_LEN positions or more than MAX_SPLITS; on the Hopper path,
+    whose blocks run two decode groups on consecutive splits, an even count.
     """
     if op.variant == "unified_masked" or num_tokens <= 0:
         return 1
@@ -153,13 +167,31 @@ def choose_splits(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_
     tile_tokens = lay.prefill_rows // op.group_size
     items = (min(num_tokens, num_seqs) if decode_like else -(-num_tokens // tile_tokens)) * op.num_kv_heads
     slots = num_sms * lay.blocks_per_sm * (lay.decode_groups if decode_like else 1)
-    if items >= slots:
+    if items >= FULL_WAVE * slots:
         return 1
     limit = min(MAX_SPLITS, max(1, max_kv_len // MIN_SPLIT_LEN))
-    cost = {s: math.ceil(items * s / slots) / s for s in range(1, limit + 1)}  # waves per unit of work
-    best = min(cost.values())
-    best = min(s for s, c in cost.items() if c <= best * 1.05)  # fewer splits: less merge work
-    return best
+
+    groups = lay.decode_groups if decode_like else 1  # a block's decode groups take consecutive splits
+
+    def units(s: int) -> int:  # (item, split) slots the grid takes: an odd count idles a group
+        return items * (s if s == 1 else -(-s // groups) * groups)
+
+    def rounds(s: int) -> int:  # tile rounds of a block's busiest warp: its duration
+        return -(-(-(-max_kv_len // s)) // (WARPS * DECODE_TILE))
+
+    def filling(waves: int) -> tuple[int, float]:  # (splits, share of the waves' slots they fill)
+        most = max(1, min(limit, waves * slots // items))
+        most -= most % groups if most > groups else 0
+        s = min(s for s in range(1, most + 1) if (s == 1 or s % groups == 0) and rounds(s) == rounds(most))
+        return s, units(s) / (waves * slots)
+
+    one, fill_one = filling(1)
+    two, fill_two = filling(2)
+    kv_bytes = 2 * op.head_dim * ir.itemsize(op.kv_dtype) + (8 if op.quantized else 0)  # per position, K+V
+    long_splits = -(-max_kv_len // two) * kv_bytes >= TWO_WAVE_BYTES
+    if units(two) > slots and long_splits and (fill_two >= FULL_WAVE or fill_two > fill_one):
+        return two
+    return one
 
 
 # ---------------------------------------------------------------- the call function
@@ -180,6 +212,18 @@ def _workspace(device, stream_id: int, splits: int, num_tokens: int, heads: int,
     return ws
 
 
+def _split_counters(device, stream_id: int, num_tokens: int, kv_heads: int):
+    """fused_merge's counters, zeroed once and kept per (device, stream, shape): every launch
+    leaves them zero again, so calls and graph replays on the stream reuse them as they are."""
+    import torch
+
+    key = (str(device), stream_id, "split_counters", num_tokens, kv_heads)
+    counters = _workspaces.get(key)
+    if counters is None:
+        counters = _workspaces[key] = torch.zeros((num_tokens, kv_heads), dtype=torch.int32, device=device)
+    return counters
+
+
 def _num_sms(device) -> int:
     import torch
 
@@ -194,18 +238,20 @@ def _arch(device) -> str:
 
 
 def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_table, token_kv_len, *,
-                    k_scale=None, v_scale=None, alibi_slopes=None, out=None, lse=None, num_splits: int | None = None):
+                    k_scale=None, v_scale=None, alibi_slopes=None, out=None, lse=None, num_splits: int | None = None,
+                    fused_merge: bool = True):
     """Attention of a ubatch over the paged cache on torch's current stream; returns out
     (and lse when op.return_lse). num_splits=None picks split-KV from the shapes; the
     split count of `op` itself is ignored. Tokens may come in any order (a sequence's
-    tokens side by side share K/V loads as a prefill tile; a lone token is a decode item)."""
+    tokens side by side share K/V loads as a prefill tile; a lone token is a decode item).
+    With splits, fused_merge=False runs the partials and merge_state as two launches."""
     import torch
 
     from .api import kernel
 
     if not isinstance(op, ir.PagedAttention):
         raise TypeError(f"op must be an ir.PagedAttention, got {type(op).__name__}")
-    check(op.replace(num_splits=1))
+    check(op.replace(num_splits=1, fused_merge=False))
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, {op.num_q_heads}, {op.head_dim}], got shape {tuple(q.shape)}")
     if page_table.dim() != 2:
@@ -225,17 +271,21 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
         out = torch.empty_like(q)
     if op.return_lse and lse is None:
         lse = torch.empty((T, op.num_q_heads), dtype=torch.float32, device=q.device)
+    extra = dict(out=out, lse=lse) if op.return_lse else dict(out=out)
     if num_splits == 1:
-        base = op.replace(num_splits=1)
-        extra = dict(out=out, lse=lse) if op.return_lse else dict(out=out)
-        kernel(base)(**tensors, **extra)
+        kernel(op.replace(num_splits=1, fused_merge=False))(**tensors, **extra)
+    elif fused_merge:
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        o_part, lse_part = _workspace(q.device, stream, num_splits, T, op.num_q_heads, op.head_dim)
+        counters = _split_counters(q.device, stream, T, op.num_kv_heads)
+        kernel(op.replace(num_splits=num_splits, fused_merge=True))(
+            **tensors, o_partial=o_part, lse_partial=lse_part, split_counters=counters, **extra)
     else:
-        part = op.replace(num_splits=num_splits, return_lse=False)
+        part = op.replace(num_splits=num_splits, return_lse=False, fused_merge=False)
         o_part, lse_part = _workspace(q.device, torch.cuda.current_stream(q.device).cuda_stream, num_splits, T,
                                       op.num_q_heads, op.head_dim)
         kernel(part)(**tensors, o_partial=o_part, lse_partial=lse_part)
         merge = ir.MergeState(num_heads=op.num_q_heads, head_dim=op.head_dim, num_splits=num_splits,
                               out_dtype=op.q_dtype, return_lse=op.return_lse)
-        extra = dict(out=out, lse=lse) if op.return_lse else dict(out=out)
         kernel(merge)(o_partial=o_part, lse_partial=lse_part, **extra)
     return (out, lse) if op.return_lse else out

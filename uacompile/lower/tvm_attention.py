@@ -48,6 +48,7 @@ def _cpu(op: PagedAttention):
     quant, unified, with_lse = op.quantized, op.variant == "unified_masked", op.return_lse
     scale, NEG = op.sm_scale, neg_inf()
     lo_of, split = _ranges(op)
+    fused, merge_row = op.fused_merge, _merge_macro(op)
 
     def tf(x, h, j, L, slopes):
         return transform_score(op, x, h, j, L, slopes)
@@ -91,8 +92,9 @@ def _cpu(op: PagedAttention):
 
     @T.prim_func
     def kernel(q_h: T.handle, kc_h: T.handle, vc_h: T.handle, ts_h: T.handle, pt_h: T.handle, kl_h: T.handle,
-               ks_h: T.handle, vs_h: T.handle, al_h: T.handle, op_h: T.handle, lp_h: T.handle, out_h: T.handle,
-               lse_h: T.handle, num_tokens: T.int64, num_seqs: T.int64, max_pages: T.int64, num_pages: T.int64):
+               ks_h: T.handle, vs_h: T.handle, al_h: T.handle, op_h: T.handle, lp_h: T.handle, sc_h: T.handle,
+               out_h: T.handle, lse_h: T.handle, num_tokens: T.int64, num_seqs: T.int64, max_pages: T.int64,
+               num_pages: T.int64):
         q = T.match_buffer(q_h, (num_tokens, Hq, D), qdt, align=ALIGN)
         k_cache = T.match_buffer(kc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
         v_cache = T.match_buffer(vc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
@@ -104,6 +106,8 @@ def _cpu(op: PagedAttention):
         alibi_slopes = T.match_buffer(al_h, (Hq,), "float32", align=ALIGN)
         o_partial = T.match_buffer(op_h, (S, num_tokens, Hq, D), "float32", align=ALIGN)
         lse_partial = T.match_buffer(lp_h, (S, num_tokens, Hq), "float32", align=ALIGN)
+        # fused_merge's workspace: declared for the signature, the TVM merge pass needs no counters
+        split_counters = T.match_buffer(sc_h, (num_tokens, Hkv), "int32", align=ALIGN)  # noqa: F841
         out = T.match_buffer(out_h, (num_tokens, Hq, D), qdt, align=ALIGN)
         lse = T.match_buffer(lse_h, (num_tokens, Hq), "float32", align=ALIGN)
         for th in T.parallel(num_tokens * Hq):
@@ -158,8 +162,40 @@ def _cpu(op: PagedAttention):
                     for d in T.serial(D):
                         o_partial[sp, t, h, d] = acc[d] * inv
                     lse_partial[sp, t, h] = lse_v
+            if fused:  # this task wrote every split of (t, h): merge them as merge_state does
+                merge_row(o_partial, lse_partial, out, lse, st, acc, t, h, 0, D)
 
     return kernel
+
+
+def _merge_macro(op: PagedAttention):
+    """fused_merge: out[t, h, d0:d0+n] (and lse) from the split partials, as merge_state computes them.
+    st needs 4 floats, acc n. The TVM lowerings merge in a separate pass (no split counters)."""
+    from tvm.script import tirx as T
+
+    S, qdt, with_lse, NEG = op.num_splits, TIR_DTYPE[op.q_dtype], op.return_lse, neg_inf()
+
+    @T.macro
+    def merge_row(o_partial, lse_partial, out, lse, st, acc, t, h, d0, n):
+        st[0] = NEG
+        for i in T.serial(S):
+            st[0] = T.max(st[0], lse_partial[i, t, h])
+        st[1] = T.float32(0)
+        for v in T.serial(n):
+            acc[v] = T.float32(0)
+        for i in T.serial(S):
+            if lse_partial[i, t, h] > NEG:  # empty splits carry no weight
+                st[2] = T.exp(lse_partial[i, t, h] - st[0])
+                st[1] = st[1] + st[2]
+                for v in T.serial(n):
+                    acc[v] = acc[v] + st[2] * o_partial[i, t, h, d0 + v]
+        st[3] = T.Select(st[1] > T.float32(0), T.float32(1) / st[1], T.float32(0))
+        for v in T.serial(n):
+            out[t, h, d0 + v] = T.Cast(qdt, acc[v] * st[3])
+        if with_lse and d0 == 0:
+            lse[t, h] = T.Select(st[1] > T.float32(0), st[0] + T.log(st[1]), NEG)
+
+    return merge_row
 
 
 def _cuda(op: PagedAttention):
@@ -175,6 +211,7 @@ def _cuda(op: PagedAttention):
     scale, NEG = op.sm_scale, neg_inf()
     lo_of, split = _ranges(op)
     FULL = 0xFFFFFFFF
+    fused, merge_row = op.fused_merge, _merge_macro(op)
 
     def tf(x, h, j, L, slopes):
         return transform_score(op, x, h, j, L, slopes)
@@ -206,8 +243,9 @@ def _cuda(op: PagedAttention):
 
     @T.prim_func
     def kernel(q_h: T.handle, kc_h: T.handle, vc_h: T.handle, ts_h: T.handle, pt_h: T.handle, kl_h: T.handle,
-               ks_h: T.handle, vs_h: T.handle, al_h: T.handle, op_h: T.handle, lp_h: T.handle, out_h: T.handle,
-               lse_h: T.handle, num_tokens: T.int64, num_seqs: T.int64, max_pages: T.int64, num_pages: T.int64):
+               ks_h: T.handle, vs_h: T.handle, al_h: T.handle, op_h: T.handle, lp_h: T.handle, sc_h: T.handle,
+               out_h: T.handle, lse_h: T.handle, num_tokens: T.int64, num_seqs: T.int64, max_pages: T.int64,
+               num_pages: T.int64):
         q = T.match_buffer(q_h, (num_tokens, Hq, D), qdt, align=ALIGN)
         k_cache = T.match_buffer(kc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
         v_cache = T.match_buffer(vc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
@@ -219,6 +257,8 @@ def _cuda(op: PagedAttention):
         alibi_slopes = T.match_buffer(al_h, (Hq,), "float32", align=ALIGN)
         o_partial = T.match_buffer(op_h, (S, num_tokens, Hq, D), "float32", align=ALIGN)
         lse_partial = T.match_buffer(lp_h, (S, num_tokens, Hq), "float32", align=ALIGN)
+        # fused_merge's workspace: declared for the signature, the TVM merge pass needs no counters
+        split_counters = T.match_buffer(sc_h, (num_tokens, Hkv), "int32", align=ALIGN)  # noqa: F841
         out = T.match_buffer(out_h, (num_tokens, Hq, D), qdt, align=ALIGN)
         lse = T.match_buffer(lse_h, (num_tokens, Hq), "float32", align=ALIGN)
         for bt in T.thread_binding(num_tokens, thread="blockIdx.x"):
@@ -299,5 +339,13 @@ def _cuda(op: PagedAttention):
                                         o_partial[sp, t, h, tx * VEC + v] = acc[v] * inv
                                     if tx == 0:
                                         lse_partial[sp, t, h] = lse_v
+        if fused:  # a second kernel (launched after the first, in program order) merges the partials
+            for bt in T.thread_binding(num_tokens, thread="blockIdx.x"):
+                for bh in T.thread_binding(Hq, thread="blockIdx.y"):
+                    for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                        acc = T.alloc_buffer((VEC,), "float32", scope="local")
+                        st = T.alloc_buffer((4,), "float32", scope="local")
+                        merge_row(o_partial, lse_partial, out, lse, st, acc, T.Cast("int64", bt), T.Cast("int64", bh),
+                                  tx * VEC, VEC)
 
     return kernel

@@ -1,0 +1,245 @@
+"""Split-KV with the fused merge (PagedAttention.fused_merge) against the float64 reference.
+
+The last split block of each (token, KV head) merges the partials in the same launch and
+leaves its counter at zero. Outputs are poisoned with NaN; every case draws fresh inputs with
+scattered page tables. The CPU tests at the bottom cover the IR parameter and the split rule.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from uacompile import IRError, ir, reference, testing
+from uacompile.targets.cuda import attention
+
+torch = pytest.importorskip("torch")
+from test_cuda_attention_gpu import check_close, device_inputs, to_dev  # noqa: E402
+
+gpu = pytest.mark.gpu
+PA = ir.PagedAttention
+
+OPS = {  # GQA 4, 1 and 8
+    "g4-bf16-d128-p16": PA(32, 8, 128, 16, "bf16", "bf16"),
+    "g1-fp16-d64-p16": PA(8, 8, 64, 16, "fp16", "fp16"),
+    "g8-bf16-d128-p32": PA(16, 2, 128, 32, "bf16", "bf16"),
+}
+SPLITS = (1, 2, 7, 32, 64)
+# long and short sequences: with 64 splits the short ones leave most splits empty
+DECODE_LENS = [5000, 1, 700, 64, 2900, 33]
+WINDOWED = PA(8, 2, 128, 16, "bf16", "bf16", window=300, return_lse=True)
+ALL_OPTIONS = PA(8, 4, 64, 16, "fp16", "int8", window=700, softcap=10.0, alibi=True, return_lse=True)
+D256 = PA(8, 2, 256, 16, "bf16", "bf16", return_lse=True)  # the mma.sync path on Hopper too
+MIXED = dict(kv_lens=[37, 3000, 129, 1, 640, 2515], q_lens=[1, 45, 1, 1, 64, 1])
+
+
+def fused(op, splits):
+    return op.replace(num_splits=splits, fused_merge=True) if splits > 1 else op
+
+
+def _all_ops():
+    ops = []
+    for op in OPS.values():
+        for lse in (False, True):
+            ops += [fused(op.replace(return_lse=lse), s) for s in SPLITS]
+    for op in (WINDOWED, ALL_OPTIONS, D256):
+        ops += [fused(op, s) for s in (1, 3, 7, 32)]
+    ops += [fused(OPS["g4-bf16-d128-p16"].replace(return_lse=True), s) for s in (3, 16)]
+    return list(dict.fromkeys(ops))
+
+
+@pytest.fixture(scope="module")
+def api():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from uacompile.targets.cuda import api as cuda_api
+
+    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:  # every variant's nvcc run at once
+        list(pool.map(cuda_api.kernel, _all_ops()))
+    return cuda_api
+
+
+def reference_of(op, inputs):
+    """(out, lse) of the unsplit op: what any split count must produce."""
+    names = {p.name for p in op.replace(num_splits=1, fused_merge=False).tensors() if p.role == "in"}
+    return reference.paged_attention(op.replace(num_splits=1, fused_merge=False),
+                                     **{k: v for k, v in inputs.items() if k in names})
+
+
+def run_fused(api, op, splits, inputs, counters=None):
+    """One launch of the fused variant with poisoned outputs; returns (outs, counters)."""
+    dev = device_inputs(op, inputs)
+    T = inputs["num_tokens"]
+    if counters is None:
+        counters = torch.zeros((T, op.num_kv_heads), dtype=torch.int32, device="cuda")
+    outs = {"out": torch.full_like(dev["q"], float("nan"))}
+    if op.return_lse:
+        outs["lse"] = torch.full((T, op.num_q_heads), float("nan"), device="cuda")
+    if splits > 1:
+        outs["o_partial"] = torch.full((splits, T, op.num_q_heads, op.head_dim), float("nan"), device="cuda")
+        outs["lse_partial"] = torch.full((splits, T, op.num_q_heads), float("nan"), device="cuda")
+        outs["split_counters"] = counters
+    api.kernel(fused(op, splits))(**dev, **outs)
+    torch.cuda.synchronize()
+    return outs
+
+
+def check_outputs(name, op, inputs, out, lse=None):
+    ref_out, ref_lse = reference_of(op, inputs)
+    tol = testing.tolerance(op.q_dtype, op.kv_dtype)
+    check_close(f"{name}.out", out, ref_out, tol)
+    if lse is not None:
+        check_close(f"{name}.lse", lse, ref_lse, 2 * tol)
+
+
+@gpu
+@pytest.mark.parametrize("lse", [False, True], ids=["no-lse", "lse"])
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("name", list(OPS))
+def test_fused_decode_matches_reference(api, rng, name, splits, lse):
+    op = OPS[name].replace(return_lse=lse)
+    inputs = testing.attention_inputs(op, rng, DECODE_LENS)
+    outs = run_fused(api, op, splits, inputs)
+    check_outputs(f"{name}/s{splits}", op, inputs, outs["out"], outs.get("lse"))
+    if splits > 1:
+        assert not outs["split_counters"].any(), "the counters must be zero after the launch"
+        ref_o, ref_l = reference.paged_attention(op.replace(num_splits=splits), **{
+            k: v for k, v in inputs.items() if k in {p.name for p in op.tensors() if p.role == "in"}})
+        tol = testing.tolerance(op.q_dtype, op.kv_dtype)
+        check_close("o_partial", outs["o_partial"], ref_o, tol)  # the partials keep their contract
+        check_close("lse_partial", outs["lse_partial"], ref_l, 2 * tol)
+
+
+@gpu
+@pytest.mark.parametrize("splits", [1, 3, 7, 32])
+@pytest.mark.parametrize("op", [WINDOWED, ALL_OPTIONS, D256], ids=["window", "int8-window-softcap-alibi", "d256"])
+def test_fused_decode_with_window_and_options(api, rng, op, splits):
+    inputs = testing.attention_inputs(op, rng, [2000, 299, 300, 301, 5, 900])
+    outs = run_fused(api, op, splits, inputs)
+    check_outputs(f"s{splits}", op, inputs, outs["out"], outs["lse"])
+
+
+@gpu
+@pytest.mark.parametrize("splits", [3, 16])
+def test_mixed_ubatch_with_splits(api, rng, splits):
+    """Prefill chunks and decode tokens in one launch: prefill tiles merge through their own
+    counter (their first non-isolated token's), decode tokens through theirs."""
+    op = OPS["g4-bf16-d128-p16"].replace(return_lse=True)
+    inputs = testing.attention_inputs(op, rng, **MIXED)
+    counters = torch.zeros((inputs["num_tokens"], op.num_kv_heads), dtype=torch.int32, device="cuda")
+    for _ in range(2):  # the second launch reuses the counters the first left at zero
+        outs = run_fused(api, op, splits, inputs, counters)
+        check_outputs(f"mixed/s{splits}", op, inputs, outs["out"], outs["lse"])
+        assert not counters.any()
+
+
+@gpu
+@pytest.mark.parametrize("splits", [3, 16])
+def test_interleaved_tokens_with_splits(api, rng, splits):
+    """Tokens of a sequence not side by side: decode blocks take several lone tokens each (one
+    merge per token), and a run split across tile edges merges per tile."""
+    op = OPS["g4-bf16-d128-p16"].replace(return_lse=True)
+    inputs = testing.attention_inputs(op, rng, [900, 400, 1500], [3, 3, 70])
+    perm = np.concatenate([[0, 3, 1, 4, 2, 5], 6 + np.arange(70)[::-1]])  # 6 lone tokens, then a reversed run
+    for k in ("q", "token_seq", "token_kv_len"):
+        inputs[k] = np.ascontiguousarray(inputs[k][perm])
+    outs = run_fused(api, op, splits, inputs)
+    check_outputs(f"interleaved/s{splits}", op, inputs, outs["out"], outs["lse"])
+    assert not outs["split_counters"].any()
+
+
+@gpu
+@pytest.mark.parametrize("splits", [7, 32])
+def test_call_function_fused_and_two_launch_agree(api, rng, splits):
+    op = OPS["g4-bf16-d128-p16"].replace(return_lse=True)
+    inputs = testing.attention_inputs(op, rng, [4000, 33, 1500, 2])
+    dev = device_inputs(op, inputs)
+    for fused_merge in (True, False):
+        out = torch.full_like(dev["q"], float("nan"))
+        lse = torch.full(dev["q"].shape[:2], float("nan"), device="cuda")
+        attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits, fused_merge=fused_merge)
+        torch.cuda.synchronize()
+        check_outputs(f"call/s{splits}/fused={fused_merge}", op, inputs, out, lse)
+
+
+@gpu
+def test_graph_replays_find_the_counters_reset(api, rng):
+    """A captured fused launch replayed twice on fresh data: each replay starts from the zeroed
+    counters the previous one left behind (the warm-up on the capture stream allocates and zeroes
+    them, so the graph holds no memset of its own)."""
+    op = OPS["g4-bf16-d128-p16"].replace(return_lse=True)
+    lens = [6000, 700, 3000]
+    inputs = testing.attention_inputs(op, rng, lens)
+    dev = device_inputs(op, inputs)
+    splits = 32
+    out = torch.empty_like(dev["q"])
+    lse = torch.empty(dev["q"].shape[:2], device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: build, workspaces of this stream
+        attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)
+    counters = attention._split_counters(dev["q"].device, stream.cuda_stream, len(lens), op.num_kv_heads)
+    for _ in range(2):
+        fresh = testing.attention_inputs(op, rng, lens)
+        fresh["page_table"], fresh["num_pages"] = inputs["page_table"], inputs["num_pages"]
+        for k in ("q", "k_cache", "v_cache"):
+            dev[k].copy_(to_dev(fresh[k]))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_outputs("replay", op, fresh, out, lse)
+        assert not counters.any()
+
+
+# ---------------------------------------------------------------- CPU: the IR parameter, the split rule
+def test_fused_merge_params_signature_and_cdef():
+    op = PA(32, 8, 128, 16, "bf16", "bf16", num_splits=4, fused_merge=True, return_lse=True)
+    params = {p.name: p for p in op.params()}
+    assert params["split_counters"].shape == ("num_tokens", 8) and params["split_counters"].dtype == "int32"
+    assert params["split_counters"].role == "inout"
+    names = [p.name for p in op.tensors()]
+    assert names[-5:] == ["o_partial", "lse_partial", "split_counters", "out", "lse"]
+    assert "void* split_counters, void* out, void* lse" in ir.c_signature(op)
+    assert "void* split_counters" in ir.cffi_cdef(op)
+    assert "split_counters" not in ir.c_signature(op.replace(fused_merge=False))
+    assert "out" not in [p.name for p in op.replace(fused_merge=False).tensors()]  # partials only
+    with pytest.raises(IRError, match="fused_merge"):
+        PA(32, 8, 128, num_splits=1, fused_merge=True)
+    assert "split_counters" in ir.reference_doc()
+
+
+def test_fused_merge_renders_the_counter_arrival():
+    from uacompile.targets.cuda.render import render_op
+
+    src = render_op(PA(32, 8, 128, 16, "bf16", "bf16", num_splits=4, fused_merge=True))
+    assert "constexpr bool FUSED_MERGE = true;" in src and "atomicAdd(counter, splits)" in src
+    assert "constexpr bool FUSED_MERGE = false;" in render_op(PA(32, 8, 128, 16, "bf16", "bf16", num_splits=4))
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("T, L, want", [(1, 32768, 32), (8, 16384, 8), (32, 4096, 1), (128, 1024, 1), (1, 300, 1)])
+def test_split_rule_on_the_bench_rows(T, L, want, arch):
+    assert attention.choose_splits(PA(32, 8, 128, 16, "bf16", "bf16"), T, T, L, arch=arch) == want
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # Hopper: 2 decode groups a block; else 2 blocks a SM
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 8, 12, 16, 20, 24, 30])
+@pytest.mark.parametrize("L", [1024, 4096, 16384, 65536])
+def test_split_rule_fills_waves_and_keeps_splits_long(T, L, arch):
+    op = PA(32, 8, 128, 16, "bf16", "bf16")
+    lay = attention.layout(op, arch)
+    slots = attention.H200_SMS * lay.blocks_per_sm * lay.decode_groups  # decode groups the GPU holds
+    s = attention.choose_splits(op, T, T, L, arch=arch)
+    units = T * op.num_kv_heads * s  # (token, KV head, split) items
+    assert 1 <= s <= attention.MAX_SPLITS and (s == 1 or L // s >= attention.MIN_SPLIT_LEN)
+    assert s == 1 or s % lay.decode_groups == 0  # no idle decode group
+    assert units <= 2 * slots  # at most two waves
+    if units > slots:  # a second wave only for long splits
+        assert -(-L // s) * 2 * op.head_dim * 2 >= attention.TWO_WAVE_BYTES
