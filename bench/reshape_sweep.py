@@ -211,9 +211,14 @@ def main(argv=None) -> int:
                 rows.append(dict(shape=case.shape, candidate=n, design=CANDIDATES[n], check=failed[n]))
                 continue
             kern = api.CudaKernel(case.op, library=libs[n])
-            status = check(kern, case, check_slots, expected, first)
-            ms = kb.time_ms(lambda: kern(**case.args), iters=50 if case.small else 5, repeats=args.repeats,
-                            graph=case.small)
+            try:
+                status = check(kern, case, check_slots, expected, first)
+                ms = kb.time_ms(lambda: kern(**case.args), iters=50 if case.small else 5, repeats=args.repeats,
+                                graph=case.small)
+            except RuntimeError as e:  # a candidate that cannot launch must not lose the others' rows
+                print(f"[sweep] {case.shape} {n}: {e}", flush=True)
+                rows.append(dict(shape=case.shape, candidate=n, design=CANDIDATES[n], check=f"launch failed: {e}"))
+                continue
             gbps = case.nbytes / ms / 1e6
             rows.append(dict(shape=case.shape, candidate=n, design=CANDIDATES[n], gbps=round(gbps, 1),
                              pct_ceiling=round(100 * gbps / ctx.copy_gbps, 2), us=round(ms * 1e3, 2), check=status))
