@@ -28,7 +28,10 @@ from ... import ir
 from ...cache import cache_dir, cached_build, content_hash, toolchain_versions
 from .render import needs_sm90a, render_op
 
-BASE_FLAGS = ("-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-lineinfo")
+# -fno-gnu-unique: static locals of inline/template code (a launcher's "attribute set once" flag)
+# would otherwise be one object across every library of the process, so a second library of the
+# same op (a sweep's candidates) would skip its own cudaFuncSetAttribute and fail to launch.
+BASE_FLAGS = ("-O3", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fno-gnu-unique", "-std=c++17", "-lineinfo")
 
 
 class BuildError(RuntimeError):
