@@ -224,7 +224,7 @@ def test_fused_merge_renders_the_counter_arrival():
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
-@pytest.mark.parametrize("T, L, want", [(1, 32768, 32), (8, 16384, 4), (32, 4096, 1), (128, 1024, 1), (1, 300, 1)])
+@pytest.mark.parametrize("T, L, want", [(1, 32768, 32), (8, 16384, 8), (32, 4096, 1), (128, 1024, 1), (1, 300, 1)])
 def test_split_rule_on_the_bench_rows(T, L, want, arch):
     assert attention.choose_splits(PA(32, 8, 128, 16, "bf16", "bf16"), T, T, L, arch=arch) == want
 

@@ -30,7 +30,7 @@ DECODE_TILE = 16  # K/V positions per warp tile in decode blocks
 MIN_SPLIT_LEN = 256  # a split shorter than this spends more on its merge than it gains
 MAX_SPLITS = 64
 FULL_WAVE = 0.9  # a grid covering this share of the GPU's resident block slots keeps every SM streaming
-TWO_WAVE_BYTES = 2 << 20  # K+V bytes a split must stream to be worth a second wave of blocks (H200: 8x16384 ran faster at 4 splits, one wave, than at 8: 1 MiB each)
+TWO_WAVE_BYTES = 1 << 20  # K+V bytes a split must stream to be worth a second wave of blocks (H200, bench/kernels.py: 8x16384 at 8 splits of 1 MiB 3710-3715 GB/s, at 4 splits 3369-3398)
 SMEM_PER_SM = 228 * 1024  # H100 / H200 (sm_90); 1 KB of it is reserved per block
 H200_SMS = 132
 

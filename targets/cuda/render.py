@@ -115,10 +115,10 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
     return "cuda/reshape_and_cache.cu.j2", dict(
         Hkv=Hkv, D=op.head_dim, P=op.page_size, in_ctype=CTYPE[op.dtype], cache_ctype=CTYPE[op.kv_dtype],
         vec=vec, group=group, rows=rows, steps=steps, stages=stages, threads=int(design.get("threads", 256)),
-        # H200 sweep (bench/reshape_sweep.py): without RoPE one task per lane group (waves=0) moved
-        # 80% / 67% / 70% of the copy ceiling (fp16 / int8 / fp8) against 72 / 64 / 67% with a
-        # persistent one-wave grid; RoPE's shared-memory ring wants the persistent grid (69%)
-        waves=int(design.get("waves", 1 if op.rope else 0)), min_blocks=int(design.get("min_blocks", 0)),
+        # H200 sweeps (bench/reshape_sweep.py): one task per lane group (waves=0) moved 83-84% / 72% /
+        # 71-76% / 81% of the copy ceiling (fp16 / int8 / fp8 / RoPE) against 72 / 64 / 67 / 73% with a
+        # persistent one-wave grid
+        waves=int(design.get("waves", 0)), min_blocks=int(design.get("min_blocks", 0)),
         fast_quant=bool(int(design.get("fast_quant", 1))), quantized=op.quantized, rope=op.rope,
         rope_theta=op.rope_theta, inv_freq=inv_freq, rope_interleaved=op.rope_interleaved, rope_mode=mode)
 
