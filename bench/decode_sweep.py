@@ -39,7 +39,10 @@ TOLERANCE = 2e-2  # bf16 output vs SDPA
 
 
 def time_graph(fns, calls: int, reps: int = 7) -> float:
-    """Median ms per call: fns (rotated) captured `calls` times in one CUDA graph, replayed."""
+    """Median ms per call: fns (rotated) captured `calls` times in one CUDA graph, replayed. Unlike
+    attention_bench.time_ms (which measured the committed kernels table), the warm-up runs on the
+    capture stream, so the per-stream workspaces exist before capture; kept apart so each committed
+    result reproduces with the code that measured it."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up on the capture stream: builds and workspaces happen here
