@@ -162,3 +162,40 @@ def test_dead_op_elimination_drops_unused_ops():
     p.add_op(CopyBlocks(8, 128, 16, "fp16"), kv="kv", mapping="map")
     dead_op_elimination(p, ["o"])
     assert [p.op(o).kind for o in p.ops()] == ["paged_attention"]
+
+
+def test_in_place_updates_are_versions():
+    """reshape_and_cache updates the caches in place, attention reads them: the program stays
+    acyclic, the write is ordered first, dead-op elimination keeps it, and the reference run
+    matches running the two ops by hand."""
+    rng = np.random.default_rng(0)
+    write = ReshapeAndCache(2, 8, page_size=4, dtype="fp32", kv_dtype="fp32")
+    attend = PagedAttention(4, 2, 8, 4, "fp32", "fp32", num_splits=2, fused_merge=True)
+    d = U.attention_inputs(attend, rng, [13, 6], [13, 6])
+    T = d["num_tokens"]
+    p = Program()
+    for n in ("q", "k_cache", "v_cache", "token_seq", "page_table", "token_kv_len"):
+        p.add_tensor(n, "int32" if n in ("token_seq", "page_table", "token_kv_len") else "fp32", d[n].shape)
+    for n, shape, dt in [("k", (T, 2, 8), "fp32"), ("v", (T, 2, 8), "fp32"), ("slots", (T,), "int64"),
+                         ("counters", (T, 2), "int32")]:
+        p.add_tensor(n, dt, shape)
+    p.add_op(write, k="k", v="v", slot_mapping="slots", k_cache="k_cache", v_cache="v_cache")
+    p.add_op(attend, q="q", k_cache="k_cache", v_cache="v_cache", token_seq="token_seq", page_table="page_table",
+             token_kv_len="token_kv_len", split_counters="counters")
+    out = p.graph.nodes[p.ops()[-1]]["bind"]["out"]
+    validate(p)
+    assert [p.op(o).kind for o in p.ops()] == ["reshape_and_cache", "paged_attention"]
+    assert p.latest("k_cache") == f"k_cache@{p.ops()[0]}"
+    dead_op_elimination(p, [out])
+    assert len(p.ops()) == 2  # the cache write feeds the attention
+    table = d["page_table"]
+    slots = np.array([table[s, j // 4] * 4 + j % 4 for s, L in enumerate([13, 6]) for j in range(L)], np.int64)
+    arrays = {k: v for k, v in d.items() if isinstance(v, np.ndarray)}
+    arrays.update(k=rng.standard_normal((T, 2, 8)).astype(np.float32), v=rng.standard_normal((T, 2, 8)).astype(np.float32),
+                  slots=slots, counters=np.zeros((T, 2), np.int32))
+    by_hand = {k: v.copy() for k, v in arrays.items()}
+    got = run_reference(p, {k: v.copy() for k, v in arrays.items()})[out]
+    R.reshape_and_cache(write, by_hand["k"], by_hand["v"], by_hand["slots"], by_hand["k_cache"], by_hand["v_cache"])
+    want = R.paged_attention(attend, by_hand["q"], by_hand["k_cache"], by_hand["v_cache"], by_hand["token_seq"],
+                             by_hand["page_table"], by_hand["token_kv_len"])[0]
+    np.testing.assert_allclose(got, want, atol=1e-12)

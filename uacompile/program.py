@@ -1,8 +1,10 @@
 """A Program is a networkx DiGraph of op nodes and tensor nodes.
 
-Edges go tensor -> op for inputs and op -> tensor for outputs (an inout tensor has both;
-the op then produces a new version named `name@op_id`). Passes are plain functions
-Program -> Program.
+Edges go tensor -> op for inputs and op -> tensor for outputs. An op that updates a tensor
+in place (an inout parameter, e.g. reshape_and_cache's caches) reads its latest version and
+writes a new version node `name@op_id`, so the graph stays acyclic and later readers are ordered
+after the update; ops keep binding the tensor's name (versions share its buffer). Passes are
+plain functions Program -> Program.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ class Program:
     graph: nx.DiGraph = field(default_factory=nx.DiGraph)
     hints: dict = field(default_factory=dict)  # e.g. {"max_kv_len": 32768, "num_sms": 132}
     _count: int = 0
+    _latest: dict = field(default_factory=dict)  # tensor name -> its newest version node
+    _previous: dict = field(default_factory=dict)  # version node -> the node it updated
 
     def add_tensor(self, name: str, dtype: str, shape) -> str:
         if name in self.graph:
@@ -46,9 +50,15 @@ class Program:
             elif name not in self.graph:
                 raise IRError(f"{op_id}.{p.name}", f"tensor {name!r} does not exist")
             if p.role in ("in", "inout"):
-                self.graph.add_edge(name, op_id, param=p.name)
-            if p.role in ("out", "inout"):
+                self.graph.add_edge(self.latest(name), op_id, param=p.name)
+            if p.role == "out":
                 self.graph.add_edge(op_id, name, param=p.name)
+            if p.role == "inout":
+                version = f"{name}@{op_id}"
+                self.graph.add_node(version, kind="tensor", spec=self.tensor(name), version_of=name)
+                self.graph.add_edge(op_id, version, param=p.name)
+                self._previous[version] = self.latest(name)
+                self._latest[name] = version
         self.graph.nodes[op_id]["bind"] = dict(bind)
         return op_id
 
@@ -62,10 +72,17 @@ class Program:
     def tensor(self, name: str) -> TensorSpec:
         return self.graph.nodes[name]["spec"]
 
+    def latest(self, name: str) -> str:
+        """The node of tensor `name` after every in-place update added (and not removed) so far."""
+        node = self._latest.get(name, name)
+        while node not in self.graph and node in self._previous:  # its update was removed
+            node = self._previous[node]
+        return node
+
 
 def validate(prog: Program) -> Program:
     """Every op's bound tensors agree in dtype and static dims; the graph is acyclic;
-    every tensor has at most one writer besides inout updates."""
+    every tensor (version) has at most one writer."""
     g = prog.graph
     if not nx.is_directed_acyclic_graph(g):
         raise IRError("program", f"has a cycle: {nx.find_cycle(g)}")
@@ -90,7 +107,7 @@ def validate(prog: Program) -> Program:
                     raise IRError(f"{op_id}.{p.name}.shape",
                                   f"dim {want} is {sym[want]} elsewhere but {got} in tensor {t.name}")
     for t in (n for n in g if g.nodes[n]["kind"] == "tensor"):
-        writers = [u for u in g.predecessors(t) if not g.has_edge(t, u)]
+        writers = list(g.predecessors(t))
         if len(writers) > 1:
             raise IRError(f"tensor {t}", f"is written by several ops: {writers}")
     return prog
@@ -135,8 +152,8 @@ def split_kv(prog: Program) -> Program:
 def dead_op_elimination(prog: Program, outputs: list[str]) -> Program:
     """Drop ops none of whose outputs reach one of `outputs`."""
     g = prog.graph
-    live = set(outputs)
-    for o in outputs:
+    live = set(outputs) | {prog.latest(o) for o in outputs}
+    for o in list(live):
         live |= nx.ancestors(g, o)
     g.remove_nodes_from([n for n in list(g) if n not in live])
     return prog
