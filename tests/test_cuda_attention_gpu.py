@@ -8,11 +8,10 @@ the template's IR checks.
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from cuda_helpers import cuda_api_with
 
 from uacompile import IRError, ir, reference, testing
 from uacompile.targets.cuda import attention
@@ -60,13 +59,7 @@ def _all_ops():
 
 @pytest.fixture(scope="module")
 def api():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from uacompile.targets.cuda import api as cuda_api
-
-    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:  # every variant's nvcc run at once
-        list(pool.map(cuda_api.kernel, _all_ops()))
-    return cuda_api
+    return cuda_api_with(_all_ops())
 
 
 def to_dev(a):

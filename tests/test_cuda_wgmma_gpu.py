@@ -6,10 +6,9 @@ which variants take the path and that both archs render what they should.
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from cuda_helpers import cuda_api_with
 
 from uacompile import ir, testing
 from uacompile.targets.cuda import attention
@@ -39,15 +38,9 @@ SHAPES = {
 
 @pytest.fixture(scope="module")
 def api():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if torch.cuda.get_device_capability() != (9, 0):
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma path is for sm_90")
-    from uacompile.targets.cuda import api as cuda_api
-
-    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
-        list(pool.map(cuda_api.kernel, WG_CASES.values()))
-    return cuda_api
+    return cuda_api_with(WG_CASES.values())
 
 
 @pytest.mark.gpu

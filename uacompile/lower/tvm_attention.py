@@ -13,7 +13,7 @@ cells of other sequences and positions outside the token's range: llama.cpp's co
 from __future__ import annotations
 
 from ..ir import PagedAttention
-from .tvm_kernels import ALIGN, TIR_DTYPE, lanes_for, load_f32, neg_inf, transform_score
+from .tvm_kernels import ALIGN, TIR_DTYPE, lanes_for, load_f32, merge_row_macro, neg_inf, transform_score
 
 
 def paged_attention(op: PagedAttention, gpu: bool):
@@ -169,33 +169,9 @@ def _cpu(op: PagedAttention):
 
 
 def _merge_macro(op: PagedAttention):
-    """fused_merge: out[t, h, d0:d0+n] (and lse) from the split partials, as merge_state computes them.
-    st needs 4 floats, acc n. The TVM lowerings merge in a separate pass (no split counters)."""
-    from tvm.script import tirx as T
-
-    S, qdt, with_lse, NEG = op.num_splits, TIR_DTYPE[op.q_dtype], op.return_lse, neg_inf()
-
-    @T.macro
-    def merge_row(o_partial, lse_partial, out, lse, st, acc, t, h, d0, n):
-        st[0] = NEG
-        for i in T.serial(S):
-            st[0] = T.max(st[0], lse_partial[i, t, h])
-        st[1] = T.float32(0)
-        for v in T.serial(n):
-            acc[v] = T.float32(0)
-        for i in T.serial(S):
-            if lse_partial[i, t, h] > NEG:  # empty splits carry no weight
-                st[2] = T.exp(lse_partial[i, t, h] - st[0])
-                st[1] = st[1] + st[2]
-                for v in T.serial(n):
-                    acc[v] = acc[v] + st[2] * o_partial[i, t, h, d0 + v]
-        st[3] = T.Select(st[1] > T.float32(0), T.float32(1) / st[1], T.float32(0))
-        for v in T.serial(n):
-            out[t, h, d0 + v] = T.Cast(qdt, acc[v] * st[3])
-        if with_lse and d0 == 0:
-            lse[t, h] = T.Select(st[1] > T.float32(0), st[0] + T.log(st[1]), NEG)
-
-    return merge_row
+    """fused_merge: merge_state's row merge over the op's split partials (the TVM lowerings merge
+    in a separate pass, without split counters)."""
+    return merge_row_macro(op.num_splits, op.q_dtype, op.return_lse)
 
 
 def _cuda(op: PagedAttention):

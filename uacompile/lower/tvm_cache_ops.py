@@ -7,7 +7,7 @@ lanes collapse to one (TX = 1), so the same body runs with no shuffles.
 from __future__ import annotations
 
 from ..ir import QMAX, CopyBlocks, MergeState, ReshapeAndCache, SwapBlocks
-from .tvm_kernels import ALIGN, TIR_DTYPE, lanes_for, neg_inf, quantize_f32
+from .tvm_kernels import ALIGN, TIR_DTYPE, lanes_for, merge_row_macro, quantize_f32
 
 FULL = 0xFFFFFFFF
 COPY_THREADS = 128
@@ -167,39 +167,23 @@ def merge_state(op: MergeState, gpu: bool):
     from tvm.script import tirx as T
 
     H, D, S = op.num_heads, op.head_dim, op.num_splits
-    odt, with_lse, NEG = TIR_DTYPE[op.out_dtype], op.return_lse, neg_inf()
     TX = lanes_for(D) if gpu else 1
     VEC = D // TX
     grid_x, grid_y, lanes = _loops(gpu)
+    merge_row = merge_row_macro(S, op.out_dtype, op.return_lse)
 
     @T.prim_func
     def kernel(op_h: T.handle, lp_h: T.handle, out_h: T.handle, lse_h: T.handle, num_tokens: T.int64):
         o_partial = T.match_buffer(op_h, (S, num_tokens, H, D), "float32", align=ALIGN)
         lse_partial = T.match_buffer(lp_h, (S, num_tokens, H), "float32", align=ALIGN)
-        out = T.match_buffer(out_h, (num_tokens, H, D), odt, align=ALIGN)
+        out = T.match_buffer(out_h, (num_tokens, H, D), TIR_DTYPE[op.out_dtype], align=ALIGN)
         lse = T.match_buffer(lse_h, (num_tokens, H), "float32", align=ALIGN)
         for bt in grid_x(num_tokens):
             for h in grid_y(H):
                 for tx in lanes(TX):
                     acc = T.alloc_buffer((VEC,), "float32", scope="local")
-                    st = T.alloc_buffer((3,), "float32", scope="local")  # max lse, sum of weights, weight
-                    st[0] = NEG
-                    for i in T.serial(S):
-                        st[0] = T.max(st[0], lse_partial[i, bt, h])
-                    st[1] = T.float32(0)
-                    for v in T.serial(VEC):
-                        acc[v] = T.float32(0)
-                    for i in T.serial(S):
-                        if lse_partial[i, bt, h] > NEG:  # empty splits carry no weight (and maybe no data)
-                            st[2] = T.exp(lse_partial[i, bt, h] - st[0])
-                            st[1] = st[1] + st[2]
-                            for v in T.serial(VEC):
-                                acc[v] = acc[v] + st[2] * o_partial[i, bt, h, tx * VEC + v]
-                    inv: T.let[T.float32] = T.Select(st[1] > T.float32(0), T.float32(1) / st[1], T.float32(0))
-                    for v in T.serial(VEC):
-                        out[bt, h, tx * VEC + v] = T.Cast(odt, acc[v] * inv)
-                    if with_lse and tx == 0:
-                        lse[bt, h] = T.Select(st[1] > T.float32(0), st[0] + T.log(st[1]), NEG)
+                    st = T.alloc_buffer((4,), "float32", scope="local")  # max lse, sum of weights, weight, 1/sum
+                    merge_row(o_partial, lse_partial, out, lse, st, acc, bt, h, tx * VEC, VEC)
 
     return kernel
 

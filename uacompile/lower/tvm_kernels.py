@@ -121,3 +121,34 @@ def neg_inf():
     from tvm import tirx
 
     return tirx.const(-math.inf, "float32")
+
+
+def merge_row_macro(num_splits: int, out_dtype: str, with_lse: bool):
+    """T.macro merge_row(o_partial, lse_partial, out, lse, st, acc, t, h, d0, n): out[t, h, d0:d0+n]
+    (and lse[t, h] where d0 == 0) from the split partials, weighted by exp(lse - max): merge_state's
+    math, shared by the merge_state kernel and fused-merge attention. st holds 4 floats, acc n."""
+    from tvm.script import tirx as T
+
+    S, odt, NEG = num_splits, TIR_DTYPE[out_dtype], neg_inf()
+
+    @T.macro
+    def merge_row(o_partial, lse_partial, out, lse, st, acc, t, h, d0, n):
+        st[0] = NEG
+        for i in T.serial(S):
+            st[0] = T.max(st[0], lse_partial[i, t, h])
+        st[1] = T.float32(0)
+        for v in T.serial(n):
+            acc[v] = T.float32(0)
+        for i in T.serial(S):
+            if lse_partial[i, t, h] > NEG:  # empty splits carry no weight (and maybe no data)
+                st[2] = T.exp(lse_partial[i, t, h] - st[0])
+                st[1] = st[1] + st[2]
+                for v in T.serial(n):
+                    acc[v] = acc[v] + st[2] * o_partial[i, t, h, d0 + v]
+        st[3] = T.Select(st[1] > T.float32(0), T.float32(1) / st[1], T.float32(0))
+        for v in T.serial(n):
+            out[t, h, d0 + v] = T.Cast(odt, acc[v] * st[3])
+        if with_lse and d0 == 0:
+            lse[t, h] = T.Select(st[1] > T.float32(0), st[0] + T.log(st[1]), NEG)
+
+    return merge_row
