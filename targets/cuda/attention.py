@@ -22,7 +22,7 @@ from ...errors import IRError
 
 TEMPLATE = "cuda/paged_attention.cu.j2"
 WARPS = 4  # warps of a decode group, and of a block on the mma.sync path
-WG_WARPS = 8  # a block on the wgmma path: two warpgroups share each K/V tile; two decode groups
+WG_WARPS = 8  # consumer warps of a block on the wgmma path (+ a producer warpgroup): two warpgroups share each K/V tile; two decode groups
 # wgmma tiles by head_dim: (K/V positions per tile, TMA stages); the stages fill the shared
 # memory that the 8-warp decode blocks of the same kernel take anyway
 WG_TILE = {128: (128, 3), 64: (128, 6)}
@@ -108,11 +108,12 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
     smem = max(tiles + stages * raw_stage + q_bytes, combine)
     if not wgmma:
         return Layout(bn_prefill, mt_prefill, kv_rows, stages, smem, min_blocks=2 if D <= 128 else 1)
-    # wgmma: 2 warpgroups x 64 rows share bn_wg-position K/V tiles (S: bn_wg / 2 registers a thread,
-    # O: D / 2); TMA stages of K + V, + 1 KB to align them; one 8-warp block a SM, whose decode
-    # items run as two 4-warp groups, each with the mma.sync path's smem
+    # wgmma: 2 consumer warpgroups x 64 rows share bn_wg-position K/V tiles (S: bn_wg / 2 registers a
+    # thread, O: D / 2) that a third, producer warpgroup loads; TMA stages of K + V and the consumers'
+    # Q rows, + 1 KB to align them; one 12-warp block a SM, whose decode items run as two 4-warp
+    # groups, each with the mma.sync path's smem
     bn_wg, stages_wg = WG_TILE[D]
-    smem_prefill = stages_wg * 2 * bn_wg * D * 2 + 1024
+    smem_prefill = stages_wg * 2 * bn_wg * D * 2 + 2 * 64 * D * 2 + 1024  # K + V stages, Q of 2 x 64 rows, alignment
     groups = warps // WARPS
     return Layout(bn_prefill, mt_prefill, kv_rows, stages, max(groups * smem, smem_prefill), min_blocks=1, warps=warps,
                   wgmma=True, bn_wg=bn_wg, stages_wg=stages_wg, smem_prefill=smem_prefill)
