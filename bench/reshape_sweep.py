@@ -8,7 +8,9 @@ the parallel builds do not see each other's knobs). Each candidate is one librar
 the ops of bench/kernels.py RESHAPE_CASES. For every case and candidate: a correctness run
 on poisoned caches with every 5th slot -1, against the numpy reference (bit for bit; K with
 fused RoPE as tests/test_cuda_gpu.py allows, <= 1e-4 of the written rows, and bit for bit with
-the first candidate), then CUDA-event timing (warm-up, median of 21 samples) with every slot
+the first candidate); for quantised caches a second run with rows outside the fast quantisation
+range (zeros, NaN, Inf, tiny and huge scales, the range's edges), bit for bit with the first
+candidate (the reference leaves NaN rows to numpy's casts); then CUDA-event timing (warm-up, median of 21 samples) with every slot
 written. The copy ceiling (a 1 GiB torch copy_) is measured in the same run.
 """
 from __future__ import annotations
@@ -22,26 +24,39 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 
-# name -> design knobs ("" = the production choice); the knobs are documented in _reshape_and_cache
+# name -> design knobs ("" = the production choice); the knobs are documented in _reshape_and_cache.
+# A candidate's knobs apply to every column: read the table per column (min_blocks caps registers,
+# which RoPE's float64 math cannot afford; the quant / amax knobs change only the int8 / fp8 columns).
+# Dropped after the 2026-11-30 sweep (bench/results/reshape-sweep-2026-11-30.log), where they lost
+# to the production choice: stages3/4, stages4-t128, rows1/4, stages3-rows1, waves2, threads512,
+# minblocks4, stages2-minblocks4, steps1, slowquant, neox-reload.
 CANDIDATES = {
     "default": "",
-    "stages0": "stages=0",  # register double buffer for every variant
-    "stages2": "stages=2",  # steps in flight through shared memory (cp.async) for every variant
-    "stages3": "stages=3",
+    # quantised rows: the general path once per step, no division / reciprocal calls on the fast
+    # path (64 registers with spills -> 63 without, about half the instructions); packed: K and V
+    # rows' maxima in one u16x2 shuffle (16 -> 8 shuffles a step)
+    "lean": "quant=lean",
+    "lean-packed": "quant=lean,amax=packed",
+    # ... with a register cap of 48 (5 blocks of 256 an SM; ptxas spills ~48 bytes)
+    "lean-packed-mb5": "quant=lean,amax=packed,min_blocks=5",
+    # fewer lanes per row: each lane reduces 2 / 4 vectors itself, 3 / 2 shuffle rounds, one head a step
+    "lean-packed-g8": "quant=lean,amax=packed,group=8",
+    "lean-packed-g4": "quant=lean,amax=packed,group=4",
+    # L2 prefetch of the rows 1024 / 4096 tokens ahead (bytes in flight that hold no registers)
+    "lean-packed-pf1024": "quant=lean,amax=packed,prefetch=1024",
+    "lean-packed-pf4096": "quant=lean,amax=packed,prefetch=4096",
+    # software pipelining: persistent lane groups, the next step's rows loaded before the current
+    # step is reduced, converted and stored (register double buffer), 1 / 2 waves of resident blocks
+    "lean-packed-waves1": "quant=lean,amax=packed,waves=1",
+    "lean-packed-waves2": "quant=lean,amax=packed,waves=2",
+    # fp16 copy and RoPE columns: occupancy and prefetch
+    "mb8": "min_blocks=8",
+    "pf2048": "prefetch=2048",
+    # RoPE column: the shared-memory ring's depth (every variant goes through cp.async with these)
+    "stages2": "stages=2",
     "stages4": "stages=4",
-    "stages4-t128": "stages=4,threads=128",
-    "rows1": "rows=1",
-    "rows4": "rows=4",
-    "stages3-rows1": "stages=3,rows=1",
-    "oneshot": "waves=0",  # one task per lane group: grid over all tasks
-    "waves2": "waves=2",
+    "stages2-mb4": "stages=2,min_blocks=4",
     "threads128": "threads=128",
-    "threads512": "threads=512",
-    "minblocks4": "min_blocks=4",  # <= 64 registers at 256 threads
-    "stages2-minblocks4": "stages=2,min_blocks=4",
-    "steps1": "steps=1",  # RoPE angles per step (R heads) instead of per token
-    "slowquant": "fast_quant=0",  # the general quantisation path for every row
-    "neox-reload": "neox=reload",  # rotate-half by re-reading the partner, one angle per element
 }
 
 
@@ -107,7 +122,50 @@ def expected_outputs(case, check_slots) -> dict:
     return {n: torch.from_numpy(arrays[n].reshape(-1).view(np.uint8)).cuda() for n in outs}
 
 
-def check(kern, case, check_slots, expected: dict, first: dict) -> str:
+def special_rows(case) -> dict:
+    """k and v with one head's row of each kind the fast quantisation path hands to the general
+    one (and rows at the edges of its range), on tokens 1..; K and V rows of a token differ."""
+    import torch
+
+    D = case.op.head_dim
+    base = torch.randn(D, device="cuda")
+    unit = base / base.abs().max()
+    kinds = [torch.zeros(D, device="cuda"), base.clone().index_fill_(0, torch.tensor([3], device="cuda"), float("nan")),
+             base.clone().index_fill_(0, torch.tensor([5], device="cuda"), float("inf")),
+             base.clone().index_fill_(0, torch.tensor([7], device="cuda"), float("-inf")),
+             base * 1e-33, base * 1e33, unit * (127 * 2.0 ** -100), unit * (127 * 2.0 ** 100), unit * (448 * 2.0 ** -100),
+             unit * (448 * 2.0 ** 100), unit * 1e-6]
+    token = lambda j: 5 * (j // 4) + j % 4 + 1  # noqa: E731 - the j-th token that is not padding (check_slots[::5] = -1)
+    out = {}
+    for name, shift in (("k", 0), ("v", 1)):
+        x = case.args[name].clone()
+        for i, row in enumerate(kinds):
+            t = token(i + shift)
+            x[t, t % case.op.num_kv_heads] = row.to(x.dtype)
+        out[name] = x
+    return out
+
+
+def check_special(kern, case, check_slots, special: dict, first: dict) -> list[str]:
+    """The special rows' outputs, bit for bit with the first candidate's (which fills `first`)."""
+    import torch
+
+    run_args = dict(case.args, slot_mapping=check_slots, **special)
+    for n in ("k_cache", "v_cache", "k_scale", "v_scale"):
+        run_args[n].view(torch.uint8).fill_(0xFF)
+    kern(**run_args)
+    torch.cuda.synchronize()
+    bad = []
+    for n in ("k_cache", "v_cache", "k_scale", "v_scale"):
+        got = run_args[n].view(torch.uint8).reshape(-1)
+        key = "special " + n
+        if key in first and not torch.equal(got, first[key]):
+            bad.append(f"{key}: {int((got != first[key]).sum())} bytes differ from the first candidate")
+        first.setdefault(key, got.clone())
+    return bad
+
+
+def check(kern, case, check_slots, expected: dict, first: dict, special: dict | None = None) -> str:
     """'ok', or what differs. first: the first candidate's outputs (filled by its call)."""
     import torch
 
@@ -132,6 +190,8 @@ def check(kern, case, check_slots, expected: dict, first: dict) -> str:
             first.setdefault(n, got.clone())
         elif not torch.equal(got, want):
             bad.append(f"{n}: {int((got != want).sum())} of {got.numel()} bytes differ")
+    if special:
+        bad += check_special(kern, case, check_slots, special, first)
     return "; ".join(bad) or "ok"
 
 
@@ -205,6 +265,7 @@ def main(argv=None) -> int:
         check_slots = case.args["slot_mapping"].clone()
         check_slots[::5] = -1
         expected = expected_outputs(case, check_slots)
+        special = special_rows(case) if case.op.quantized else None
         first: dict = {}
         for n in names:
             if n not in libs:
@@ -212,7 +273,7 @@ def main(argv=None) -> int:
                 continue
             kern = api.CudaKernel(case.op, library=libs[n])
             try:
-                status = check(kern, case, check_slots, expected, first)
+                status = check(kern, case, check_slots, expected, first, special)
                 ms = kb.time_ms(lambda: kern(**case.args), iters=50 if case.small else 5, repeats=args.repeats,
                                 graph=case.small)
             except RuntimeError as e:  # a candidate that cannot launch must not lose the others' rows
@@ -223,7 +284,7 @@ def main(argv=None) -> int:
             rows.append(dict(shape=case.shape, candidate=n, design=CANDIDATES[n], gbps=round(gbps, 1),
                              pct_ceiling=round(100 * gbps / ctx.copy_gbps, 2), us=round(ms * 1e3, 2), check=status))
         print(f"[sweep] {case.shape}: {time.perf_counter() - t0:.1f} s", flush=True)
-        del case, expected, first
+        del case, expected, first, special
         torch.cuda.empty_cache()
 
     print(f"\n# reshape_and_cache sweep, {ctx.gpu}, copy ceiling {ctx.copy_gbps:.0f} GB/s "

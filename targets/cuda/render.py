@@ -70,14 +70,25 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
     rows (R heads per step; divides Hkv), steps (S steps per task; R*S divides Hkv), threads,
     waves (grid cap in resident-block waves, 0 = one task per lane group), min_blocks
     (__launch_bounds__ minimum), stages (steps in flight through shared memory by cp.async; 0 =
-    a register double buffer), fast_quant (0/1), neox ("paired" / "reload")."""
+    a register double buffer), fast_quant (0/1), neox ("paired" / "reload"), group (lanes per
+    row: a power of two, at most the default; fewer lanes hold more vectors of the row each),
+    quant ("classic" / "lean": the general quantisation path once per step, no division or
+    reciprocal calls on the fast path), amax ("bits" / "packed": K and V rows' 16-bit maxima in one shuffle; with quant=lean),
+    prefetch (L2 prefetch of the rows this many tokens ahead; 0 = off)."""
     import os
 
     if not design and os.environ.get("UACOMPILE_RC_VARIANT"):
         design = dict(kv.split("=", 1) for kv in os.environ["UACOMPILE_RC_VARIANT"].split(","))
-    unknown = set(design) - {"rows", "steps", "threads", "waves", "min_blocks", "stages", "fast_quant", "neox"}
+    unknown = set(design) - {"rows", "steps", "threads", "waves", "min_blocks", "stages", "fast_quant", "neox",
+                             "group", "quant", "amax", "prefetch"}
     if unknown:
         raise ValueError(f"reshape_and_cache design: unknown knobs {sorted(unknown)}")
+    # Production knobs of quantised caches without RoPE (their float64 math needs the registers
+    # a min_blocks cap would take); a candidate's knobs override them. Candidates for this line:
+    # bench/reshape_sweep.py's lean-* rows, e.g. dict(quant="lean", amax="packed").
+    quantized_choice = {}
+    if op.quantized and not op.rope:
+        design = {**quantized_choice, **design}
     size = ir.itemsize(op.dtype)
     vec = vector_width(op.head_dim, size)
     if op.rope and not op.rope_interleaved:  # the rotate-half partner must start a vector
@@ -85,13 +96,15 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
     if op.rope and op.rope_interleaved:  # pairs (2i, 2i+1) inside one vector
         vec = max(vec, 2)
     chunks = op.head_dim // vec
-    group = lane_group(chunks)
+    group = min(lane_group(chunks), int(design.get("group", 32)))
+    if group < 1 or group & (group - 1):
+        raise ValueError(f"reshape_and_cache design: group = {group} must be a power of two")
     per_lane = -(-chunks // group)
     Hkv = op.num_kv_heads
     # R: the largest divisor of Hkv with <= 2 vectors per lane and row (a step holds 2R rows, K
     # and V, and the pipeline two steps). S: RoPE computes its angles once per task, so a task
     # is the whole token; otherwise one step per task (finer work balance).
-    rows = int(design.get("rows", max(r for r in range(1, Hkv + 1) if Hkv % r == 0 and r * per_lane <= 2)))
+    rows = int(design.get("rows", max(r for r in range(1, Hkv + 1) if Hkv % r == 0 and r * min(per_lane, 2) <= 2)))
     steps = int(design.get("steps", Hkv // rows if op.rope else 1))
     # RoPE's float64 math holds ~75 registers: its steps in flight go through shared memory
     # instead (3 stages: 60 KB a block at R=2, 3 blocks an SM); cp.async moves >= 4 bytes
@@ -106,6 +119,9 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
         mode = "paired"  # one sincos per pair, the halves exchanged by shuffles
     else:
         mode = "reload"
+    quant, amax = design.get("quant", "classic"), design.get("amax", "bits")
+    if quant not in ("classic", "lean") or amax not in ("bits", "packed") or (amax == "packed" and quant != "lean"):
+        raise ValueError(f"reshape_and_cache design: quant={quant} amax={amax} (packed needs lean)")
     inv_freq = []
     if op.rope:  # the reference's float64 inv_freq, same expression, printed exactly (repr round-trips)
         import numpy as np
@@ -119,7 +135,8 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
         # 71-76% / 81% of the copy ceiling (fp16 / int8 / fp8 / RoPE) against 72 / 64 / 67 / 73% with a
         # persistent one-wave grid
         waves=int(design.get("waves", 0)), min_blocks=int(design.get("min_blocks", 0)),
-        fast_quant=bool(int(design.get("fast_quant", 1))), quantized=op.quantized, rope=op.rope,
+        fast_quant=bool(int(design.get("fast_quant", 1))), quant=quant, amax=amax, prefetch=int(design.get("prefetch", 0)),
+        quantized=op.quantized, rope=op.rope,
         rope_theta=op.rope_theta, inv_freq=inv_freq, rope_interleaved=op.rope_interleaved, rope_mode=mode)
 
 
