@@ -130,6 +130,18 @@ def test_mixed_ubatch_with_splits(api, rng, splits):
 
 @gpu
 @pytest.mark.parametrize("splits", [3, 16])
+def test_long_prefill_with_splits(api, rng, splits):
+    """Long prompts with splits: hundreds of prefill blocks, each merging its tile's splits through
+    the tile's counter, and a short sequence whose lone-token rows are decode items."""
+    op = OPS["g4-bf16-d128-p16"].replace(return_lse=True)
+    inputs = testing.attention_inputs(op, rng, kv_lens=[1500, 1200, 3], q_lens=[1500, 500, 3])
+    outs = run_fused(api, op, splits, inputs)
+    check_outputs(f"long/s{splits}", op, inputs, outs["out"], outs["lse"])
+    assert not outs["split_counters"].any()
+
+
+@gpu
+@pytest.mark.parametrize("splits", [3, 16])
 def test_interleaved_tokens_with_splits(api, rng, splits):
     """Tokens of a sequence not side by side: decode blocks take several lone tokens each (one
     merge per token), and a run split across tile edges merges per tile."""
