@@ -257,6 +257,42 @@ def flashinfer_rows(gen, fi) -> list[dict]:
     return rows
 
 
+def warm_flashinfer(fi, log=print) -> None:
+    """Build (JIT) the FlashInfer modules flashinfer_rows uses, on a tiny batch: three builds in
+    parallel threads (each a ninja subprocess), one after another if that fails. bench/run_device.sh
+    runs this in the background during the GPU tests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b = PagedBatch(1, 4 * P, 4 * P, gen)
+    ws = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+    indptr = torch.tensor([0, 4], device="cuda", dtype=torch.int32)
+    last = torch.tensor([P], device="cuda", dtype=torch.int32)
+
+    def decode(tc):
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty_like(ws), "NHD", use_tensor_cores=tc)
+        w.plan(indptr, b.page_table.flatten(), last, HQ, HKV, D, P, q_data_type=DTYPE, kv_data_type=DTYPE)
+        w.run(b.q[:1], (b.k_cache, b.v_cache))
+
+    def prefill(_):
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(torch.empty_like(ws), "NHD")
+        w.plan(torch.tensor([0, 4 * P], device="cuda", dtype=torch.int32), indptr, b.page_table.flatten(), last,
+               HQ, HKV, D, P, causal=True, q_data_type=DTYPE, kv_data_type=DTYPE)
+        w.run(b.q, (b.k_cache, b.v_cache))
+
+    jobs = [(decode, False), (decode, True), (prefill, None)]
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            list(pool.map(lambda j: j[0](j[1]), jobs))
+    except Exception as e:  # noqa: BLE001 - a JIT race: build them one by one
+        log(f"# parallel FlashInfer build failed ({type(e).__name__}: {e}); building one by one")
+        for fn, arg in jobs:
+            fn(arg)
+    torch.cuda.synchronize()
+    log(f"# FlashInfer modules built in {time.perf_counter() - t0:.1f} s")
+
+
 def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None, log=print) -> list[dict]:
     """Every attention row of the benchmark table. bench/kernels.py passes its BenchContext
     (quick, copy_gbps, notes); FlashInfer rows run when its sdist is in .peers/ and not quick."""
@@ -319,8 +355,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--warm-flashinfer", action="store_true", help="only build FlashInfer's JIT modules, then exit")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.warm_flashinfer:
+        fi = import_flashinfer()
+        if fi is None:
+            sys.exit("FlashInfer sdist not in .peers/")
+        warm_flashinfer(fi)
+        return
     rows = attention_rows(quick=a.quick, flashinfer=False if a.no_flashinfer else None)
     gpu = torch.cuda.get_device_name()
     if a.json:
