@@ -327,19 +327,27 @@ def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None
     rows += mixed_rows(gen)
     log(f"# prefill + mixed done at {time.perf_counter() - t0:.1f} s")
     if flashinfer:
-        try:
-            fi = import_flashinfer()
-            if fi is None:
-                log("# FlashInfer sdist not in .peers/: peer rows skipped")
-            else:
-                rows += flashinfer_rows(gen, fi)
-                log(f"# flashinfer done at {time.perf_counter() - t0:.1f} s")
-        except Exception as e:  # noqa: BLE001 - a peer failing must not lose our rows
-            msg = f"FlashInfer rows failed: {type(e).__name__}: {str(e)[:200]}"
-            log("# " + msg)
-            if ctx is not None:
-                ctx.notes.append(msg)
+        rows += peer_rows(ctx, log)
     return rows
+
+
+def peer_rows(ctx=None, log=print) -> list[dict]:
+    """FlashInfer's rows (JIT-built from its sdist in .peers/, or skipped with a note)."""
+    t0 = time.perf_counter()
+    try:
+        fi = import_flashinfer()
+        if fi is None:
+            log("# FlashInfer sdist not in .peers/: peer rows skipped")
+            return []
+        rows = flashinfer_rows(torch.Generator(device="cuda").manual_seed(1), fi)
+        log(f"# flashinfer done in {time.perf_counter() - t0:.1f} s")
+        return rows
+    except Exception as e:  # noqa: BLE001 - a peer failing must not lose our rows
+        msg = f"FlashInfer rows failed: {type(e).__name__}: {str(e)[:200]}"
+        log("# " + msg)
+        if ctx is not None:
+            ctx.notes.append(msg)
+        return []
 
 
 def table(rows) -> str:

@@ -1,6 +1,6 @@
 """Kernel benchmark, run on the device: prints one table and writes kernels-<date>.json / .md.
 
-    PYTHONPATH=... python3 bench/kernels.py --out bench/results [--only cache,swap,build,attention] [--quick]
+    PYTHONPATH=... python3 bench/kernels.py --out bench/results [--only cache,swap,build,attention,peers] [--quick]
 
 Rows are dicts {op, shape, impl, gbps | tflops | ms, note?}. Bandwidth counts the bytes a
 kernel must move (each input read once, each output written once) over its median time
@@ -9,7 +9,8 @@ Cache ops are compared with the device copy ceiling (a 1 GiB torch copy_) and to
 copies; swap with one pinned cudaMemcpy of the same bytes and with per-block copies (vLLM's
 swap_blocks does one memcpy per block). Build rows: nvcc cold build and cached load (a
 copy of the cache at a new path: key + render + dlopen) per variant. Attention rows come
-from bench/attention_bench.py: `attention_rows(ctx: BenchContext) -> list[dict]`.
+from bench/attention_bench.py (`attention_rows`, and FlashInfer's in `peer_rows`, the last
+section). The report is rewritten after every section, so a run cut short keeps its rows.
 """
 from __future__ import annotations
 
@@ -289,18 +290,30 @@ def build_rows(ctx: BenchContext) -> list[dict]:
     return rows
 
 
-def attention_rows(ctx: BenchContext) -> list[dict]:
+def _attention_bench(ctx: BenchContext):
     sys.path.insert(0, str(Path(__file__).parent))
     try:
         import attention_bench
     except ImportError as e:
         ctx.notes.append(f"attention rows skipped: {e}")
-        return []
-    return attention_bench.attention_rows(ctx)
+        return None
+    return attention_bench
+
+
+def attention_rows(ctx: BenchContext) -> list[dict]:
+    ab = _attention_bench(ctx)
+    return ab.attention_rows(ctx, flashinfer=False) if ab else []
+
+
+def peer_rows(ctx: BenchContext) -> list[dict]:
+    """FlashInfer's attention rows: a section of their own, last, since their JIT build is the
+    slowest step (bench/run_device.sh builds it during the GPU tests)."""
+    ab = _attention_bench(ctx)
+    return ab.peer_rows(ctx) if ab and not ctx.quick and os.environ.get("UA_BENCH_FLASHINFER", "1") != "0" else []
 
 
 SECTIONS = {"cache": lambda c: reshape_rows(c) + copy_blocks_rows(c), "swap": swap_rows, "build": build_rows,
-            "attention": attention_rows}
+            "attention": attention_rows, "peers": peer_rows}
 
 
 # ---------------------------------------------------------------- report
@@ -329,7 +342,12 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     ctx = BenchContext(quick=args.quick, gpu=torch.cuda.get_device_name())
     rows = copy_ceiling(ctx)
-    for name in args.only.split(","):
+    names = args.only.split(",")
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        print(f"unknown sections {unknown}; choose from {list(SECTIONS)}", file=sys.stderr)
+        return 2
+    for i, name in enumerate(names):
         t0 = time.perf_counter()
         try:
             rows += SECTIONS[name](ctx)
@@ -339,16 +357,23 @@ def main(argv=None) -> int:
             traceback.print_exc()
             ctx.notes.append(f"section {name} failed: {type(e).__name__}: {e}")
         print(f"[bench] {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-    date = dt.date.today().isoformat()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = dict(gpu=ctx.gpu, date=date, torch=torch.__version__, copy_ceiling_gbps=round(ctx.copy_gbps, 1),
-                notes=ctx.notes, rows=rows)
-    (out / f"kernels-{date}.json").write_text(json.dumps(meta, indent=1))
-    text = f"# Kernel benchmark, {ctx.gpu}, {date}\n\n{table(rows)}\n" + "".join(f"\n- {n}" for n in ctx.notes) + "\n"
-    (out / f"kernels-{date}.md").write_text(text)
+        # the report so far, after every section: a run cut short still leaves its rows
+        text = write_report(Path(args.out), ctx, rows, pending=names[i + 1:])
     print(text)
     return 0
+
+
+def write_report(out: Path, ctx: BenchContext, rows: list[dict], pending: list[str]) -> str:
+    """kernels-<date>.json and .md under out; a partial report names the sections still to run."""
+    date = dt.date.today().isoformat()
+    out.mkdir(parents=True, exist_ok=True)
+    notes = ctx.notes + ([f"partial: sections {', '.join(pending)} not run yet"] if pending else [])
+    meta = dict(gpu=ctx.gpu, date=date, torch=torch.__version__, copy_ceiling_gbps=round(ctx.copy_gbps, 1),
+                notes=notes, rows=rows)
+    (out / f"kernels-{date}.json").write_text(json.dumps(meta, indent=1))
+    text = f"# Kernel benchmark, {ctx.gpu}, {date}\n\n{table(rows)}\n" + "".join(f"\n- {n}" for n in notes) + "\n"
+    (out / f"kernels-{date}.md").write_text(text)
+    return text
 
 
 if __name__ == "__main__":
