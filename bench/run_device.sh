@@ -31,7 +31,11 @@ fi
 if [ "${UA_SKIP_TESTS:-0}" != 1 ]; then
   # one worker per test file when pytest-xdist is carried (.whl, bench/fetch_device_wheels.sh):
   # the files' module fixtures build their kernels once, through the concurrency-safe cache
-  workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${UA_GPU_WORKERS:-5} --dist loadfile")
+  # (UA_GPU_WORKERS=0: one process)
+  workers=
+  if [ "${UA_GPU_WORKERS:-5}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+    workers="-n ${UA_GPU_WORKERS:-5} --dist loadfile"
+  fi
   python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors -rfE --durations=12 $workers \
     ${UA_GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest-gpu.log"
   rc=${PIPESTATUS[0]}
