@@ -229,68 +229,70 @@ def import_flashinfer():
     return flashinfer
 
 
+def fi_decode(fi, ws, b: PagedBatch, tensor_cores: bool):
+    """FlashInfer's paged decode planned for batch b (one query token a sequence): its run call."""
+    indptr = torch.arange(b.B + 1, device="cuda", dtype=torch.int32) * (b.L // P)
+    last = torch.full((b.B,), P, device="cuda", dtype=torch.int32)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
+    w.plan(indptr, b.page_table.flatten(), last, HQ, HKV, D, P, q_data_type=DTYPE, kv_data_type=DTYPE)
+    return lambda: w.run(b.q, (b.k_cache, b.v_cache))
+
+
+def fi_prefill(fi, ws, b: PagedBatch):
+    """FlashInfer's causal paged prefill planned for batch b: its run call."""
+    qo = torch.arange(b.B + 1, device="cuda", dtype=torch.int32) * b.q_len
+    indptr = torch.arange(b.B + 1, device="cuda", dtype=torch.int32) * (b.L // P)
+    last = torch.full((b.B,), P, device="cuda", dtype=torch.int32)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    w.plan(qo, indptr, b.page_table.flatten(), last, HQ, HKV, D, P, causal=True, q_data_type=DTYPE,
+           kv_data_type=DTYPE)
+    return lambda: w.run(b.q, (b.k_cache, b.v_cache))
+
+
 def flashinfer_rows(gen, fi) -> list[dict]:
     rows = []
     ws = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     for B, L in DECODE_SHAPES:
         b = PagedBatch(B, L, 1, gen)
-        indptr = torch.arange(B + 1, device="cuda", dtype=torch.int32) * (L // P)
-        last = torch.full((B,), P, device="cuda", dtype=torch.int32)
         for tc in (False, True):
-            w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
-            w.plan(indptr, b.page_table.flatten(), last, HQ, HKV, D, P, q_data_type=DTYPE, kv_data_type=DTYPE)
-            ms = time_ms([lambda: w.run(b.q, (b.k_cache, b.v_cache))], calls_per_fn=10)
+            ms = time_ms([fi_decode(fi, ws, b, tc)], calls_per_fn=10)
             rows.append(_row("decode", f"{B}x{L}", f"FlashInfer {'tensor-core' if tc else 'CUDA-core'}", ms=ms,
                              gbps=b.kv_bytes / ms / 1e6))
         del b
     for B, L in PREFILL_SHAPES:
         b = PagedBatch(B, L, L, gen)
-        qo = torch.arange(B + 1, device="cuda", dtype=torch.int32) * L
-        indptr = torch.arange(B + 1, device="cuda", dtype=torch.int32) * (L // P)
-        last = torch.full((B,), P, device="cuda", dtype=torch.int32)
-        w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-        w.plan(qo, indptr, b.page_table.flatten(), last, HQ, HKV, D, P, causal=True, q_data_type=DTYPE,
-               kv_data_type=DTYPE)
-        ms = time_ms([lambda: w.run(b.q, (b.k_cache, b.v_cache))], calls_per_fn=2)
+        ms = time_ms([fi_prefill(fi, ws, b)], calls_per_fn=2)
         rows.append(_row("prefill", f"{B}x{L} causal", "FlashInfer paged", ms=ms, tflops=4 * B * L * L / 2 * HQ * D / ms / 1e9))
         del b
     return rows
 
 
 def warm_flashinfer(fi, log=print) -> None:
-    """Build (JIT) the FlashInfer modules flashinfer_rows uses, on a tiny batch: three builds in
+    """Build (JIT) the FlashInfer modules flashinfer_rows uses, on tiny batches: three builds in
     parallel threads (each a ninja subprocess), one after another if that fails. bench/run_device.sh
     runs this in the background during the GPU tests."""
     from concurrent.futures import ThreadPoolExecutor
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    b = PagedBatch(1, 4 * P, 4 * P, gen)
-    ws = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
-    indptr = torch.tensor([0, 4], device="cuda", dtype=torch.int32)
-    last = torch.tensor([P], device="cuda", dtype=torch.int32)
-
-    def decode(tc):
-        w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty_like(ws), "NHD", use_tensor_cores=tc)
-        w.plan(indptr, b.page_table.flatten(), last, HQ, HKV, D, P, q_data_type=DTYPE, kv_data_type=DTYPE)
-        w.run(b.q[:1], (b.k_cache, b.v_cache))
-
-    def prefill(_):
-        w = fi.BatchPrefillWithPagedKVCacheWrapper(torch.empty_like(ws), "NHD")
-        w.plan(torch.tensor([0, 4 * P], device="cuda", dtype=torch.int32), indptr, b.page_table.flatten(), last,
-               HQ, HKV, D, P, causal=True, q_data_type=DTYPE, kv_data_type=DTYPE)
-        w.run(b.q, (b.k_cache, b.v_cache))
-
-    jobs = [(decode, False), (decode, True), (prefill, None)]
+    decode, prefill = PagedBatch(1, 4 * P, 1, gen), PagedBatch(1, 4 * P, 4 * P, gen)
+    ws = lambda: torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # noqa: E731 - one per thread
+    jobs = [lambda: fi_decode(fi, ws(), decode, False)(), lambda: fi_decode(fi, ws(), decode, True)(),
+            lambda: fi_prefill(fi, ws(), prefill)()]
     t0 = time.perf_counter()
     try:
         with ThreadPoolExecutor(len(jobs)) as pool:
-            list(pool.map(lambda j: j[0](j[1]), jobs))
+            list(pool.map(lambda job: job(), jobs))
     except Exception as e:  # noqa: BLE001 - a JIT race: build them one by one
         log(f"# parallel FlashInfer build failed ({type(e).__name__}: {e}); building one by one")
-        for fn, arg in jobs:
-            fn(arg)
+        for job in jobs:
+            job()
     torch.cuda.synchronize()
     log(f"# FlashInfer modules built in {time.perf_counter() - t0:.1f} s")
+
+
+def flashinfer_wanted(quick: bool) -> bool:
+    """FlashInfer rows run unless the run is quick or UA_BENCH_FLASHINFER=0."""
+    return not quick and os.environ.get("UA_BENCH_FLASHINFER", "1") != "0"
 
 
 def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None, log=print) -> list[dict]:
@@ -299,7 +301,7 @@ def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None
     if ctx is not None:
         quick = ctx.quick
     if flashinfer is None:
-        flashinfer = not quick and os.environ.get("UA_BENCH_FLASHINFER", "1") != "0"
+        flashinfer = flashinfer_wanted(quick)
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.perf_counter()
     # build every variant the rows use, in parallel, before any timing

@@ -309,7 +309,7 @@ def peer_rows(ctx: BenchContext) -> list[dict]:
     """FlashInfer's attention rows: a section of their own, last, since their JIT build is the
     slowest step (bench/run_device.sh builds it during the GPU tests)."""
     ab = _attention_bench(ctx)
-    return ab.peer_rows(ctx) if ab and not ctx.quick and os.environ.get("UA_BENCH_FLASHINFER", "1") != "0" else []
+    return ab.peer_rows(ctx) if ab and ab.flashinfer_wanted(ctx.quick) else []
 
 
 SECTIONS = {"cache": lambda c: reshape_rows(c) + copy_blocks_rows(c), "swap": swap_rows, "build": build_rows,

@@ -87,6 +87,15 @@ def check_outputs(name, op, inputs, out, lse=None):
         check_close(f"{name}.lse", lse, ref_lse, 2 * tol)
 
 
+def run_and_check(api, name, op, splits, inputs, counters=None):
+    """One fused launch checked against the reference, its counters zero again afterwards."""
+    outs = run_fused(api, op, splits, inputs, counters)
+    check_outputs(name, op, inputs, outs["out"], outs.get("lse"))
+    if splits > 1:
+        assert not outs["split_counters"].any(), "the counters must be zero after the launch"
+    return outs
+
+
 @gpu
 @pytest.mark.parametrize("lse", [False, True], ids=["no-lse", "lse"])
 @pytest.mark.parametrize("splits", SPLITS)
@@ -94,10 +103,8 @@ def check_outputs(name, op, inputs, out, lse=None):
 def test_fused_decode_matches_reference(api, rng, name, splits, lse):
     op = OPS[name].replace(return_lse=lse)
     inputs = testing.attention_inputs(op, rng, DECODE_LENS)
-    outs = run_fused(api, op, splits, inputs)
-    check_outputs(f"{name}/s{splits}", op, inputs, outs["out"], outs.get("lse"))
+    outs = run_and_check(api, f"{name}/s{splits}", op, splits, inputs)
     if splits > 1:
-        assert not outs["split_counters"].any(), "the counters must be zero after the launch"
         ref_o, ref_l = reference.paged_attention(op.replace(num_splits=splits), **{
             k: v for k, v in inputs.items() if k in {p.name for p in op.tensors() if p.role == "in"}})
         tol = testing.tolerance(op.q_dtype, op.kv_dtype)
@@ -110,8 +117,7 @@ def test_fused_decode_matches_reference(api, rng, name, splits, lse):
 @pytest.mark.parametrize("op", [WINDOWED, ALL_OPTIONS, D256], ids=["window", "int8-window-softcap-alibi", "d256"])
 def test_fused_decode_with_window_and_options(api, rng, op, splits):
     inputs = testing.attention_inputs(op, rng, [2000, 299, 300, 301, 5, 900])
-    outs = run_fused(api, op, splits, inputs)
-    check_outputs(f"s{splits}", op, inputs, outs["out"], outs["lse"])
+    run_and_check(api, f"s{splits}", op, splits, inputs)
 
 
 @gpu
@@ -123,9 +129,7 @@ def test_mixed_ubatch_with_splits(api, rng, splits):
     inputs = testing.attention_inputs(op, rng, **MIXED)
     counters = torch.zeros((inputs["num_tokens"], op.num_kv_heads), dtype=torch.int32, device="cuda")
     for _ in range(2):  # the second launch reuses the counters the first left at zero
-        outs = run_fused(api, op, splits, inputs, counters)
-        check_outputs(f"mixed/s{splits}", op, inputs, outs["out"], outs["lse"])
-        assert not counters.any()
+        run_and_check(api, f"mixed/s{splits}", op, splits, inputs, counters)
 
 
 @gpu
@@ -135,9 +139,7 @@ def test_long_prefill_with_splits(api, rng, splits):
     the tile's counter, and a short sequence whose lone-token rows are decode items."""
     op = OPS["g4-bf16-d128-p16"].replace(return_lse=True)
     inputs = testing.attention_inputs(op, rng, kv_lens=[1500, 1200, 3], q_lens=[1500, 500, 3])
-    outs = run_fused(api, op, splits, inputs)
-    check_outputs(f"long/s{splits}", op, inputs, outs["out"], outs["lse"])
-    assert not outs["split_counters"].any()
+    run_and_check(api, f"long/s{splits}", op, splits, inputs)
 
 
 @gpu
@@ -150,9 +152,7 @@ def test_interleaved_tokens_with_splits(api, rng, splits):
     perm = np.concatenate([[0, 3, 1, 4, 2, 5], 6 + np.arange(70)[::-1]])  # 6 lone tokens, then a reversed run
     for k in ("q", "token_seq", "token_kv_len"):
         inputs[k] = np.ascontiguousarray(inputs[k][perm])
-    outs = run_fused(api, op, splits, inputs)
-    check_outputs(f"interleaved/s{splits}", op, inputs, outs["out"], outs["lse"])
-    assert not outs["split_counters"].any()
+    run_and_check(api, f"interleaved/s{splits}", op, splits, inputs)
 
 
 @gpu
