@@ -44,7 +44,7 @@ def load_library(path: Path | str, ops: Iterable[ir.OpSpec], build_result: Build
     """dlopen a built .so and declare the launchers of ops (once per path and op set)."""
     import cffi
 
-    ops = list(ops)
+    ops = list({op.symbol(): op for op in ops}.values())  # a variant listed twice is declared once
     key = (str(path), tuple(sorted(op.symbol() for op in ops)))
     with _lock:
         if key not in _loaded:
@@ -58,4 +58,4 @@ def load(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Kerne
     """Build (through the cache) and load one library holding every op in ops."""
     ops = [ops] if isinstance(ops, ir.OpSpec) else list(ops)
     res = build(ops, arch)
-    return load_library(res.path, list({op.symbol(): op for op in ops}.values()), res)
+    return load_library(res.path, ops, res)
