@@ -1,6 +1,7 @@
 """Decode split-KV sweep on the device: fused merge vs the two-launch path vs torch SDPA.
 
     python3 bench/decode_sweep.py [--extra] [--json PATH]      # JSON also to $OUT/decode_sweep.json
+    python3 bench/decode_sweep.py --candidates [NAME,...]      # decode fixed-cost designs side by side
 
 Rows are bench/attention_bench.py's decode shapes (bf16, Hq 32, Hkv 8, D 128, page 16, random
 page order); --extra adds shapes that probe the split rule (attention.choose_splits) off those
@@ -12,6 +13,11 @@ the same K/V. GB/s = K+V bytes / time. Times are medians of CUDA graph replays (
 stream that was warmed up first, so the graph holds only the kernels), rotating over enough batch
 copies to defeat the L2. Every configuration's output is poisoned, computed and compared with
 SDPA first; the exit status is 1 when one differs.
+
+--candidates: the template's decode design knobs (attention.DESIGN_KNOBS; CANDIDATES below), each
+built in its own spawned process (attention.load_designs), timed on CANDIDATE_SHAPES at the auto
+split with the fused merge: one table of GB/s (us) a candidate and shape, torch SDPA as the last
+row, and the change in us against the production build ("default") per cell.
 """
 from __future__ import annotations
 
@@ -36,6 +42,20 @@ SPLITS = (1, 2, 4, 8, 16, 32, 33, 48, 64)
 EXTRA_SHAPES = [(2, 32768), (4, 16384), (16, 8192), (12, 16384), (20, 8192), (64, 2048)]
 MIN_POSITIONS = 64  # a split shorter than this is not worth timing
 TOLERANCE = 2e-2  # bf16 output vs SDPA
+
+
+# name -> design ("k=v,..."; "" = production). See the template's header comment for each knob.
+CANDIDATES = {
+    "default": "",
+    "spec": "prologue=spec",
+    "lean": "merge=lean",
+    "flat": "grid=flat",
+    "pdl": "pdl=1",
+    "spec-lean": "prologue=spec,merge=lean",
+    "spec-lean-flat": "prologue=spec,merge=lean,grid=flat",
+    "all": "prologue=spec,merge=lean,grid=flat,pdl=1",
+}
+CANDIDATE_SHAPES = [(1, 32768), (1, 4096), (8, 16384), (32, 4096), (128, 1024)]
 
 
 def time_graph(fns, calls: int, reps: int = 7) -> float:
@@ -216,15 +236,117 @@ def summary(rows) -> list[str]:
     return out
 
 
+def candidate_ops(shapes) -> dict:
+    """{(B, L): (op, splits)}: the op each shape launches at its auto split (fused merge)."""
+    op = ab.op_of()
+    out = {}
+    for B, L in shapes:
+        s = auto_splits(op, B, L)
+        out[(B, L)] = (op.replace(num_splits=s, fused_merge=True) if s > 1 else op, s)
+    return out
+
+
+def candidate_call(kern, op, splits: int, b) -> None:
+    """One launch of a candidate's kernel, with paged_attention()'s per-stream workspaces."""
+    if splits == 1:
+        kern(**b.args(), out=b.out)
+        return
+    stream = torch.cuda.current_stream(b.q.device).cuda_stream
+    o_part, lse_part = attention._workspace(b.q.device, stream, splits, b.q.shape[0], ab.HQ, ab.D)
+    counters = attention._split_counters(b.q.device, stream, b.q.shape[0], ab.HKV)
+    kern(**b.args(), o_partial=o_part, lse_partial=lse_part, split_counters=counters, out=b.out)
+
+
+def candidates_main(names: list[str], json_path: str | None, build_only: bool = False) -> int:
+    ops = candidate_ops(CANDIDATE_SHAPES)
+    t0 = time.perf_counter()
+    libs = attention.load_designs({n: CANDIDATES[n] for n in names}, [op for op, _ in ops.values()])
+    print(f"# built {len(names)} candidates in {time.perf_counter() - t0:.1f} s", flush=True)
+    if build_only:  # fills the kernel cache (a device script runs this beside the GPU tests)
+        bad = [f"{n}: {v}" for n, v in libs.items() if isinstance(v, Exception)]
+        print("\n".join(bad))
+        return 1 if bad else 0
+    failed = {n: f"build: {str(v).strip().splitlines()[-1][:200] if str(v).strip() else type(v).__name__}"
+              for n, v in libs.items() if isinstance(v, Exception)}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for (B, L), (op, splits) in ops.items():
+        copies = max(1, min(4, -(-4 * ab.L2_BYTES // (2 * B * L * ab.HKV * ab.D * 2))))
+        batches = [ab.PagedBatch(B, L, 1, gen) for _ in range(copies)]
+        b0 = batches[0]
+        calls = max(2, min(20, int(2e-3 / (b0.kv_bytes / 3.5e12))))
+        k, v = b0.contiguous_kv()
+        want = ab.sdpa(b0.q_bhld(), k, v, False).transpose(1, 2).reshape(b0.q.shape).float()
+        del k, v
+        shape = f"{B}x{L}"
+        for n in names:
+            if n in failed:
+                rows.append(dict(shape=shape, candidate=n, splits=splits, ok=False, check=failed[n]))
+                continue
+            kern = api.CudaKernel(op, library=libs[n])
+            call = lambda b, kern=kern: candidate_call(kern, op, splits, b)  # noqa: E731
+            b0.out.fill_(float("nan"))
+            call(b0)
+            diff = (b0.out.float() - want).abs().max().item()  # NaN (an unwritten element) compares False
+            ms = time_graph([lambda b=b: call(b) for b in batches], calls)
+            rows.append(dict(shape=shape, candidate=n, splits=splits, us=round(ms * 1e3, 2),
+                             gbps=round(b0.kv_bytes / ms / 1e6, 1), max_diff=diff, ok=diff <= TOLERANCE,
+                             check="ok" if diff <= TOLERANCE else f"max diff {diff:.3g} vs SDPA"))
+        kc = [b.contiguous_kv() for b in batches]
+        ms = time_graph([lambda b=b, kv=kv: ab.sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)], calls)
+        rows.append(dict(shape=shape, candidate="torch SDPA contiguous", splits=0, us=round(ms * 1e3, 2),
+                         gbps=round(b0.kv_bytes / ms / 1e6, 1), ok=True, check="ok"))
+        del kc, batches, b0
+        torch.cuda.empty_cache()
+        print(f"# {shape} done at {time.perf_counter() - t0:.1f} s", flush=True)
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    by = {(r["candidate"], r["shape"]): r for r in rows}
+    splits = {r["shape"]: r["splits"] for r in rows if r["splits"]}
+    lines = [f"{torch.cuda.get_device_name()}, {attention._arch(0)}: GB/s (median us) at the auto split; "
+             "[+-us vs default]",
+             "", "| candidate | " + " | ".join(f"{s} ({splits.get(s, 1)} splits)" for s in shapes) + " |",
+             "|---|" + "---:|" * len(shapes)]
+    for n in [*names, "torch SDPA contiguous"]:
+        cells = []
+        for s in shapes:
+            r = by.get((n, s))
+            if r is None or "us" not in r:
+                cells.append(r["check"] if r else "")
+                continue
+            base = by.get(("default", s))
+            delta = f" [{r['us'] - base['us']:+.1f}]" if base and "us" in base and n != "default" else ""
+            cells.append(f"{r['gbps']:.0f} ({r['us']:.1f}){delta}{'' if r['ok'] else ' BAD'}")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    print("\n" + "\n".join(lines))
+    for r in rows:
+        if not r["ok"]:
+            print(f"! {r['candidate']} {r['shape']}: {r['check']}")
+    path = json_path or (os.path.join(os.environ["OUT"], "decode_candidates.json") if os.environ.get("OUT") else None)
+    if path:
+        Path(path).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
+                                              candidates={n: CANDIDATES[n] for n in names}, rows=rows), indent=1))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--extra", action="store_true",
                     help="also sweep shapes that probe the split rule, and int8 / fp8 KV (fused vs two-launch)")
     ap.add_argument("--json", default=None, help="write rows here (default $OUT/decode_sweep.json when OUT is set)")
+    ap.add_argument("--candidates", nargs="?", const=",".join(CANDIDATES), default=None,
+                    help="compare the decode design candidates (comma list; default all) instead of split counts")
+    ap.add_argument("--build-only", action="store_true", help="with --candidates: build them and exit")
     args = ap.parse_args(argv)
+    if args.candidates is not None:
+        names = [n for n in args.candidates.split(",") if n]
+        unknown = sorted(set(names) - set(CANDIDATES))
+        if unknown:
+            ap.error(f"unknown candidates {unknown}; have {list(CANDIDATES)}")
     if not torch.cuda.is_available():
         print("bench/decode_sweep.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.candidates is not None:
+        return candidates_main(names, args.json, args.build_only)
     shapes = ab.DECODE_SHAPES + (EXTRA_SHAPES if args.extra else [])
     print(f"# built the variants in {build_all(shapes, args.extra):.1f} s", flush=True)
     slots = unit_slots(ab.op_of())

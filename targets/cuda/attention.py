@@ -123,9 +123,69 @@ def _c_float(x: float) -> str:
     return f"{float(x):.9e}f"
 
 
+# ---------------------------------------------------------------- design knobs (decode fixed cost)
+# Compile-time choices that bench/decode_sweep.py --candidates builds side by side, each in its own
+# worker process through DESIGN_ENV ("prologue=spec,merge=lean"); the template's header comment says
+# what each does. The first value of each is the production choice.
+DESIGN_ENV = "UACOMPILE_PA_VARIANT"
+DESIGN_KNOBS = {
+    "prologue": ("chain", "spec"),  # spec: first token's metadata and Q loaded before the scan, K/V before Q's smem pass
+    "merge": ("fence", "lean"),  # lean: one acq_rel atomic an arrival, up to 32 partials in flight
+    "grid": ("planes", "flat"),  # flat: 1-D grid, decode blocks first; lone-token prefill tiles exit at once
+    "pdl": ("0", "1"),  # programmatic dependent launch (Hopper)
+}
+
+
+def design_of(text: str | None = None) -> dict:
+    """Knobs from "k=v,k=v" (default: $UACOMPILE_PA_VARIANT), production values for the rest."""
+    import os
+
+    text = os.environ.get(DESIGN_ENV, "") if text is None else text
+    design = {k: v[0] for k, v in DESIGN_KNOBS.items()}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in DESIGN_KNOBS or value not in DESIGN_KNOBS[key]:
+            raise ValueError(f"paged_attention design: {item!r} (knobs: {DESIGN_KNOBS})")
+        design[key] = value
+    return design
+
+
+def build_design(design: str, ops: list, arch: str | None = None) -> str:
+    """In a worker process (the knobs are read at render): build ops with design; the library path."""
+    import os
+
+    from .build import build
+
+    os.environ[DESIGN_ENV] = design
+    return str(build(ops, arch).path)
+
+
+def load_designs(designs: dict, ops: list, arch: str | None = None, workers: int | None = None) -> dict:
+    """{name: KernelLibrary or the exception its build raised}: one library a design ("k=v,..."),
+    built in parallel spawned processes so that no build sees another's knobs."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from .loader import load_library
+
+    out = {}
+    workers = workers or max(1, min(len(designs), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {name: pool.submit(build_design, d, ops, arch) for name, d in designs.items()}
+        for name, fut in futures.items():
+            try:
+                out[name] = load_library(fut.result(), ops)
+            except Exception as e:  # noqa: BLE001 - a design that does not build is reported, not fatal
+                out[name] = e
+    return out
+
+
 def template_context(op: ir.PagedAttention, arch: str = "sm_90") -> tuple[str, dict]:
     check(op)
     lay = layout(op, arch)
+    design = design_of()
+    design["pdl"] = design["pdl"] == "1" and arch in HOPPER_ARCHS  # griddepcontrol is sm_90+
     return TEMPLATE, dict(
         variant=op.variant, unified=op.variant == "unified_masked",
         Hq=op.num_q_heads, Hkv=op.num_kv_heads, D=op.head_dim, P=op.page_size,
@@ -134,7 +194,7 @@ def template_context(op: ir.PagedAttention, arch: str = "sm_90") -> tuple[str, d
         window=op.window, softcap=op.softcap, softcap_c=_c_float(op.softcap or 1.0), alibi=op.alibi,
         scale_c=_c_float(op.sm_scale), bn_prefill=lay.bn_prefill, mt_prefill=lay.mt_prefill, kv_rows=lay.kv_rows, stages=lay.stages,
         smem_bytes=lay.smem_bytes, min_blocks=lay.min_blocks, prefill_rows=lay.prefill_rows, groups=lay.decode_groups,
-        wgmma=lay.wgmma,
+        wgmma=lay.wgmma, design=design,
         bn_wg=lay.bn_wg, stages_wg=lay.stages_wg, smem_prefill=lay.smem_prefill)
 
 
