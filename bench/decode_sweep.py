@@ -46,14 +46,12 @@ TOLERANCE = 2e-2  # bf16 output vs SDPA
 
 # name -> design ("k=v,..."; "" = production). See the template's header comment for each knob.
 CANDIDATES = {
-    "default": "",
-    "spec": "prologue=spec",
-    "lean": "merge=lean",
-    "flat": "grid=flat",
-    "pdl": "pdl=1",
-    "spec-lean": "prologue=spec,merge=lean",
-    "spec-lean-flat": "prologue=spec,merge=lean,grid=flat",
-    "all": "prologue=spec,merge=lean,grid=flat,pdl=1",
+    "default": "",  # production: prologue=spec, merge=lean, grid=flat, pdl=1 (NOTES v15)
+    "session3": "prologue=chain,merge=fence,grid=planes,pdl=0",
+    "no-spec": "prologue=chain",
+    "no-lean": "merge=fence",
+    "no-flat": "grid=planes",
+    "no-pdl": "pdl=0",
 }
 CANDIDATE_SHAPES = [(1, 32768), (1, 4096), (8, 16384), (32, 4096), (128, 1024)]
 

@@ -129,10 +129,11 @@ def _c_float(x: float) -> str:
 # what each does. The first value of each is the production choice.
 DESIGN_ENV = "UACOMPILE_PA_VARIANT"
 DESIGN_KNOBS = {
-    "prologue": ("chain", "spec"),  # spec: first token's metadata and Q loaded before the scan, K/V before Q's smem pass
-    "merge": ("fence", "lean"),  # lean: one acq_rel atomic an arrival, up to 32 partials in flight
-    "grid": ("planes", "flat"),  # flat: 1-D grid, decode blocks first; lone-token prefill tiles exit at once
-    "pdl": ("0", "1"),  # programmatic dependent launch (Hopper)
+    # production value first (bench/NOTES-attention.md v15: all four together, -1 to -5 us a decode launch)
+    "prologue": ("spec", "chain"),  # spec: first token's metadata and Q loaded before the scan, K/V before Q's smem pass
+    "merge": ("lean", "fence"),  # lean: one acq_rel atomic an arrival, up to 32 partials in flight
+    "grid": ("flat", "planes"),  # flat: 1-D grid, decode blocks first; lone-token prefill tiles exit at once
+    "pdl": ("1", "0"),  # programmatic dependent launch (Hopper)
 }
 
 
