@@ -30,7 +30,7 @@ DECODE_TILE = 16  # K/V positions per warp tile in decode blocks
 MIN_SPLIT_LEN = 256  # a split shorter than this spends more on its merge than it gains
 MAX_SPLITS = 64
 FULL_WAVE = 0.9  # a grid covering this share of the GPU's resident block slots keeps every SM streaming
-TWO_WAVE_BYTES = 1 << 20  # K+V bytes a split must stream to be worth a second wave of blocks (H200, bench/kernels.py: 8x16384 at 8 splits of 1 MiB 3710-3715 GB/s, at 4 splits 3369-3398)
+TWO_WAVE_BYTES = 1 << 20  # K+V bytes a split must stream to be worth a second wave of blocks
 SMEM_PER_SM = 228 * 1024  # H100 / H200 (sm_90); 1 KB of it is reserved per block
 H200_SMS = 132
 
@@ -212,11 +212,12 @@ def choose_splits(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_
     - else fill w waves: up to w * slots // items splits; of the counts that give a block the
       same number of 64-position tile rounds per warp (its duration), the fewest (less merge
       work: 1 x 32768 takes 32 splits, not 33);
-    - two waves rather than one when each split still streams >= TWO_WAVE_BYTES of K+V and
-      two waves fill the slots as well (>= FULL_WAVE, or better than one wave): a second wave
-      evens out slow blocks at the cost of one more block start per slot, which a long split
-      amortises (8 x 16384: 8 splits; on the H200 they ran 3710-3728 GB/s in both sweeps, where
-      one wave of 4 ran 3369-3796). Shorter splits stay in one wave (1 x 32768: 1024 positions).
+    - two waves rather than one only when one wave leaves slots idle (< FULL_WAVE), two fill
+      them better, and each split still streams >= TWO_WAVE_BYTES of K+V (a block start per
+      slot more, which a long split amortises). 8 x 16384 takes one wave of 4 splits: on the
+      H200 (graph-replay harness, three runs) 4 splits ran 3744-3822 GB/s and 8 splits
+      3673-3757. Session 2 had chosen 8 from kernels.py rows whose 4-split reading was the
+      table's first row, which that harness read ~10% low.
     Never a split shorter than MIN_SPLIT_LEN positions or more than MAX_SPLITS; on the Hopper path,
     whose blocks run two decode groups on consecutive splits, an even count.
     """
@@ -251,7 +252,7 @@ def choose_splits(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_
     two, fill_two = filling(2)
     kv_bytes = 2 * op.head_dim * ir.itemsize(op.kv_dtype) + (8 if op.quantized else 0)  # per position, K+V
     long_splits = -(-max_kv_len // two) * kv_bytes >= TWO_WAVE_BYTES
-    if units(two) > slots and long_splits and (fill_two >= FULL_WAVE or fill_two > fill_one):
+    if units(two) > slots and long_splits and fill_one < FULL_WAVE and fill_two > fill_one:
         return two
     return one
 
