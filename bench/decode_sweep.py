@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -54,35 +53,6 @@ CANDIDATES = {
     "no-pdl": "pdl=0",
 }
 CANDIDATE_SHAPES = [(1, 32768), (1, 4096), (8, 16384), (32, 4096), (128, 1024)]
-
-
-def time_graph(fns, calls: int, reps: int = 7) -> float:
-    """Median ms per call: fns (rotated) captured `calls` times in one CUDA graph, replayed. Unlike
-    attention_bench.time_ms (which measured the committed kernels table), the warm-up runs on the
-    capture stream, so the per-stream workspaces exist before capture; kept apart so each committed
-    result reproduces with the code that measured it."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up on the capture stream: builds and workspaces happen here
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            for f in fns:
-                f()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (calls * len(fns)))
-    return statistics.median(times)
 
 
 def auto_splits(op, B: int, L: int) -> int:
@@ -149,13 +119,13 @@ def sweep_row(B: int, L: int, gen) -> list[dict]:
             call(b0)
             diff = (b0.out.float() - want).abs().max().item()  # NaN (an unwritten element) compares False
             ok = diff <= TOLERANCE
-            ms = time_graph([lambda b=b: call(b) for b in batches], calls)
+            ms = ab.time_ms([lambda b=b: call(b) for b in batches], calls)
             units = B * ab.HKV * splits
             rows.append(dict(shape=shape, impl="fused" if fused or splits == 1 else "two-launch", splits=splits,
                              auto=splits == auto, units=units, waves=round(units / slots, 2), us=round(ms * 1e3, 2),
                              gbps=round(kv_bytes / ms / 1e6, 1), max_diff=diff, ok=ok))
     kc = [b.contiguous_kv() for b in batches]
-    ms = time_graph([lambda b=b, kv=kv: ab.sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)], calls)
+    ms = ab.time_ms([lambda b=b, kv=kv: ab.sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)], calls)
     rows.append(dict(shape=shape, impl="torch SDPA contiguous", splits=0, auto=False, units=0, waves=0.0,
                      us=round(ms * 1e3, 2), gbps=round(kv_bytes / ms / 1e6, 1), max_diff=0.0, ok=True))
     del kc, batches, b0
@@ -196,7 +166,7 @@ def quantized_rows(gen) -> list[dict]:
                 got = b.out.float()
                 want = got.clone() if want is None else want
                 diff = (got - want).abs().max().item()
-                ms = time_graph([call], calls)
+                ms = ab.time_ms([call], calls)
                 units = B * ab.HKV * splits
                 rows.append(dict(shape=f"{B}x{L} {kv_dtype}", impl="fused" if fused or splits == 1 else "two-launch",
                                  splits=splits, auto=splits == auto, units=units, waves=round(units / slots, 2),
@@ -286,12 +256,12 @@ def candidates_main(names: list[str], json_path: str | None, build_only: bool = 
             b0.out.fill_(float("nan"))
             call(b0)
             diff = (b0.out.float() - want).abs().max().item()  # NaN (an unwritten element) compares False
-            ms = time_graph([lambda b=b: call(b) for b in batches], calls)
+            ms = ab.time_ms([lambda b=b: call(b) for b in batches], calls)
             rows.append(dict(shape=shape, candidate=n, splits=splits, us=round(ms * 1e3, 2),
                              gbps=round(b0.kv_bytes / ms / 1e6, 1), max_diff=diff, ok=diff <= TOLERANCE,
                              check="ok" if diff <= TOLERANCE else f"max diff {diff:.3g} vs SDPA"))
         kc = [b.contiguous_kv() for b in batches]
-        ms = time_graph([lambda b=b, kv=kv: ab.sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)], calls)
+        ms = ab.time_ms([lambda b=b, kv=kv: ab.sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)], calls)
         rows.append(dict(shape=shape, candidate="torch SDPA contiguous", splits=0, us=round(ms * 1e3, 2),
                          gbps=round(b0.kv_bytes / ms / 1e6, 1), ok=True, check="ok"))
         del kc, batches, b0
