@@ -283,6 +283,14 @@ def test_graph_capture_and_replay(rng):
 
 
 # ---------------------------------------------------------------- error messages on the device
+def test_launch_errors_are_named():
+    """A launcher's CUDA error code comes back with CUDA's name for it, not 'unknown'."""
+    from uacompile.targets.cuda.api import _error_name
+
+    assert "invalid argument" in _error_name(1).lower()
+    assert "memory" in _error_name(2).lower()
+
+
 def test_errors_name_the_argument():
     from uacompile.targets.cuda import api
 

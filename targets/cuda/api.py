@@ -28,8 +28,10 @@ ALIGN = 16  # bytes: data tensors are read with 16-byte vectors
 
 
 def _error_name(code: int) -> str:
+    """cudaGetErrorString of a launcher's return code (torch's binding takes its enum, not an int)."""
     try:
-        return torch.cuda.cudart().cudaGetErrorString(code)
+        rt = torch.cuda.cudart()
+        return rt.cudaGetErrorString(rt.cudaError(code))
     except Exception:  # noqa: BLE001 - the name is a courtesy
         return "unknown"
 
