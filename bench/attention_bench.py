@@ -66,6 +66,44 @@ def time_ms(fns, calls_per_fn: int = 1, reps: int = 7) -> float:
         times.append(start.elapsed_time(end) / (calls_per_fn * len(fns)))
     return statistics.median(times)
 
+
+class PagedBatch:
+    """One batch of sequences in a paged cache (random page order) plus what peers need."""
+
+    def __init__(self, B: int, L: int, q_len: int, gen: torch.Generator):
+        pages_per_seq = L // P
+        self.B, self.L, self.q_len = B, L, q_len
+        num_pages = B * pages_per_seq
+        self.k_cache = torch.randn((num_pages, P, HKV, D), generator=gen, device="cuda", dtype=DTYPE)
+        self.v_cache = torch.randn((num_pages, P, HKV, D), generator=gen, device="cuda", dtype=DTYPE)
+        perm = torch.randperm(num_pages, generator=gen, device="cuda").to(torch.int32)
+        self.page_table = perm.view(B, pages_per_seq).contiguous()
+        T = B * q_len
+        self.q = torch.randn((T, HQ, D), generator=gen, device="cuda", dtype=DTYPE)
+        self.token_seq = torch.arange(B, device="cuda", dtype=torch.int32).repeat_interleave(q_len)
+        pos = torch.arange(L - q_len + 1, L + 1, device="cuda", dtype=torch.int32)
+        self.token_kv_len = pos.repeat(B).contiguous()
+        self.out = torch.empty_like(self.q)
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.B * self.L * HKV * D * 2
+
+    def args(self):
+        return dict(q=self.q, k_cache=self.k_cache, v_cache=self.v_cache, token_seq=self.token_seq,
+                    page_table=self.page_table, token_kv_len=self.token_kv_len)
+
+    def contiguous_kv(self):
+        """[B, Hkv, L, D] K and V gathered from the pages (the peers' contiguous layout)."""
+        idx = self.page_table.long()
+        k = self.k_cache[idx].view(self.B, self.L, HKV, D).transpose(1, 2).contiguous()
+        v = self.v_cache[idx].view(self.B, self.L, HKV, D).transpose(1, 2).contiguous()
+        return k, v
+
+    def q_bhld(self):
+        return self.q.view(self.B, self.q_len, HQ, D).transpose(1, 2)
+
+
 def spin_up_clocks(seconds: float = 0.3) -> None:
     """Busy the GPU a moment before timing: it idles at 345 MHz while builds and JIT run on the CPU."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
