@@ -39,11 +39,45 @@ def _ranges(op: PagedAttention):
     return lo_of, split
 
 
+def _with_buffers(op: PagedAttention, body):
+    """The kernel: the IR's parameters as buffers, then `body` (a T.macro of the buffers and sizes,
+    one per target) as its whole body, so both targets share one declaration of the signature."""
+    from tvm.script import tirx as T
+
+    Hq, Hkv, D, P, S = op.num_q_heads, op.num_kv_heads, op.head_dim, op.page_size, op.num_splits
+    qdt, kvdt = TIR_DTYPE[op.q_dtype], TIR_DTYPE[op.kv_dtype]
+
+    @T.prim_func
+    def kernel(q_h: T.handle, kc_h: T.handle, vc_h: T.handle, ts_h: T.handle, pt_h: T.handle, kl_h: T.handle,
+               ks_h: T.handle, vs_h: T.handle, al_h: T.handle, op_h: T.handle, lp_h: T.handle, sc_h: T.handle,
+               out_h: T.handle, lse_h: T.handle, num_tokens: T.int64, num_seqs: T.int64, max_pages: T.int64,
+               num_pages: T.int64):
+        q = T.match_buffer(q_h, (num_tokens, Hq, D), qdt, align=ALIGN)
+        k_cache = T.match_buffer(kc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
+        v_cache = T.match_buffer(vc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
+        token_seq = T.match_buffer(ts_h, (num_tokens,), "int32", align=ALIGN)
+        page_table = T.match_buffer(pt_h, (num_seqs, max_pages), "int32", align=ALIGN)
+        token_kv_len = T.match_buffer(kl_h, (num_tokens,), "int32", align=ALIGN)
+        k_scale = T.match_buffer(ks_h, (num_pages, P, Hkv), "float32", align=ALIGN)
+        v_scale = T.match_buffer(vs_h, (num_pages, P, Hkv), "float32", align=ALIGN)
+        alibi_slopes = T.match_buffer(al_h, (Hq,), "float32", align=ALIGN)
+        o_partial = T.match_buffer(op_h, (S, num_tokens, Hq, D), "float32", align=ALIGN)
+        lse_partial = T.match_buffer(lp_h, (S, num_tokens, Hq), "float32", align=ALIGN)
+        # fused_merge's workspace: declared for the signature, the TVM merge pass needs no counters
+        split_counters = T.match_buffer(sc_h, (num_tokens, Hkv), "int32", align=ALIGN)  # noqa: F841
+        out = T.match_buffer(out_h, (num_tokens, Hq, D), qdt, align=ALIGN)
+        lse = T.match_buffer(lse_h, (num_tokens, Hq), "float32", align=ALIGN)
+        body(q, k_cache, v_cache, token_seq, page_table, token_kv_len, k_scale, v_scale, alibi_slopes, o_partial,
+             lse_partial, out, lse, num_tokens, num_seqs, max_pages)
+
+    return kernel
+
+
 def _cpu(op: PagedAttention):
     from tvm.script import tirx as T
 
-    Hq, Hkv, D, P, G, S = op.num_q_heads, op.num_kv_heads, op.head_dim, op.page_size, op.group_size, op.num_splits
-    qdt, kvdt, kvd = TIR_DTYPE[op.q_dtype], TIR_DTYPE[op.kv_dtype], op.kv_dtype
+    Hq, D, P, G, S = op.num_q_heads, op.head_dim, op.page_size, op.group_size, op.num_splits
+    qdt, kvd = TIR_DTYPE[op.q_dtype], op.kv_dtype
     LN = 8 if D % 8 == 0 else (4 if D % 4 == 0 else 1)  # dot-product lanes (fp32 partial sums)
     quant, unified, with_lse = op.quantized, op.variant == "unified_masked", op.return_lse
     scale, NEG = op.sm_scale, neg_inf()
@@ -90,26 +124,9 @@ def _cpu(op: PagedAttention):
                     for d in T.vectorized(D):
                         acc[d] = acc[d] + pb[o] * load_f32(kvd, v_cache[page, o, g, d])
 
-    @T.prim_func
-    def kernel(q_h: T.handle, kc_h: T.handle, vc_h: T.handle, ts_h: T.handle, pt_h: T.handle, kl_h: T.handle,
-               ks_h: T.handle, vs_h: T.handle, al_h: T.handle, op_h: T.handle, lp_h: T.handle, sc_h: T.handle,
-               out_h: T.handle, lse_h: T.handle, num_tokens: T.int64, num_seqs: T.int64, max_pages: T.int64,
-               num_pages: T.int64):
-        q = T.match_buffer(q_h, (num_tokens, Hq, D), qdt, align=ALIGN)
-        k_cache = T.match_buffer(kc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
-        v_cache = T.match_buffer(vc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
-        token_seq = T.match_buffer(ts_h, (num_tokens,), "int32", align=ALIGN)
-        page_table = T.match_buffer(pt_h, (num_seqs, max_pages), "int32", align=ALIGN)
-        token_kv_len = T.match_buffer(kl_h, (num_tokens,), "int32", align=ALIGN)
-        k_scale = T.match_buffer(ks_h, (num_pages, P, Hkv), "float32", align=ALIGN)
-        v_scale = T.match_buffer(vs_h, (num_pages, P, Hkv), "float32", align=ALIGN)
-        alibi_slopes = T.match_buffer(al_h, (Hq,), "float32", align=ALIGN)
-        o_partial = T.match_buffer(op_h, (S, num_tokens, Hq, D), "float32", align=ALIGN)
-        lse_partial = T.match_buffer(lp_h, (S, num_tokens, Hq), "float32", align=ALIGN)
-        # fused_merge's workspace: declared for the signature, the TVM merge pass needs no counters
-        split_counters = T.match_buffer(sc_h, (num_tokens, Hkv), "int32", align=ALIGN)  # noqa: F841
-        out = T.match_buffer(out_h, (num_tokens, Hq, D), qdt, align=ALIGN)
-        lse = T.match_buffer(lse_h, (num_tokens, Hq), "float32", align=ALIGN)
+    @T.macro
+    def body(q, k_cache, v_cache, token_seq, page_table, token_kv_len, k_scale, v_scale, alibi_slopes, o_partial,
+             lse_partial, out, lse, num_tokens, num_seqs, max_pages):
         for th in T.parallel(num_tokens * Hq):
             qv = T.alloc_buffer((D,), "float32", scope="local")
             acc = T.alloc_buffer((D,), "float32", scope="local")
@@ -165,7 +182,8 @@ def _cpu(op: PagedAttention):
             if fused:  # this task wrote every split of (t, h): merge them as merge_state does
                 merge_row(o_partial, lse_partial, out, lse, st, acc, t, h, 0, D)
 
-    return kernel
+
+    return _with_buffers(op, body)
 
 
 def _merge_macro(op: PagedAttention):
@@ -177,8 +195,8 @@ def _merge_macro(op: PagedAttention):
 def _cuda(op: PagedAttention):
     from tvm.script import tirx as T
 
-    Hq, Hkv, D, P, G, S = op.num_q_heads, op.num_kv_heads, op.head_dim, op.page_size, op.group_size, op.num_splits
-    qdt, kvdt, kvd = TIR_DTYPE[op.q_dtype], TIR_DTYPE[op.kv_dtype], op.kv_dtype
+    Hq, D, P, G, S = op.num_q_heads, op.head_dim, op.page_size, op.group_size, op.num_splits
+    qdt, kvd = TIR_DTYPE[op.q_dtype], op.kv_dtype
     TX = lanes_for(D)  # lanes per row of D
     VEC = D // TX  # elements per lane
     NY = 128 // TX  # lane groups per block, each over interleaved KV positions
@@ -217,26 +235,9 @@ def _cuda(op: PagedAttention):
         for v in T.serial(VEC):
             acc[v] = acc[v] * alpha + st[3] * load_f32(kvd, v_cache[page, o, g, tx * VEC + v])
 
-    @T.prim_func
-    def kernel(q_h: T.handle, kc_h: T.handle, vc_h: T.handle, ts_h: T.handle, pt_h: T.handle, kl_h: T.handle,
-               ks_h: T.handle, vs_h: T.handle, al_h: T.handle, op_h: T.handle, lp_h: T.handle, sc_h: T.handle,
-               out_h: T.handle, lse_h: T.handle, num_tokens: T.int64, num_seqs: T.int64, max_pages: T.int64,
-               num_pages: T.int64):
-        q = T.match_buffer(q_h, (num_tokens, Hq, D), qdt, align=ALIGN)
-        k_cache = T.match_buffer(kc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
-        v_cache = T.match_buffer(vc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
-        token_seq = T.match_buffer(ts_h, (num_tokens,), "int32", align=ALIGN)
-        page_table = T.match_buffer(pt_h, (num_seqs, max_pages), "int32", align=ALIGN)
-        token_kv_len = T.match_buffer(kl_h, (num_tokens,), "int32", align=ALIGN)
-        k_scale = T.match_buffer(ks_h, (num_pages, P, Hkv), "float32", align=ALIGN)
-        v_scale = T.match_buffer(vs_h, (num_pages, P, Hkv), "float32", align=ALIGN)
-        alibi_slopes = T.match_buffer(al_h, (Hq,), "float32", align=ALIGN)
-        o_partial = T.match_buffer(op_h, (S, num_tokens, Hq, D), "float32", align=ALIGN)
-        lse_partial = T.match_buffer(lp_h, (S, num_tokens, Hq), "float32", align=ALIGN)
-        # fused_merge's workspace: declared for the signature, the TVM merge pass needs no counters
-        split_counters = T.match_buffer(sc_h, (num_tokens, Hkv), "int32", align=ALIGN)  # noqa: F841
-        out = T.match_buffer(out_h, (num_tokens, Hq, D), qdt, align=ALIGN)
-        lse = T.match_buffer(lse_h, (num_tokens, Hq), "float32", align=ALIGN)
+    @T.macro
+    def body(q, k_cache, v_cache, token_seq, page_table, token_kv_len, k_scale, v_scale, alibi_slopes, o_partial,
+             lse_partial, out, lse, num_tokens, num_seqs, max_pages):
         for bt in T.thread_binding(num_tokens, thread="blockIdx.x"):
             for bh in T.thread_binding(Hq, thread="blockIdx.y"):
                 for sp in T.thread_binding(S, thread="blockIdx.z"):
@@ -324,4 +325,5 @@ def _cuda(op: PagedAttention):
                         merge_row(o_partial, lse_partial, out, lse, st, acc, T.Cast("int64", bt), T.Cast("int64", bh),
                                   tx * VEC, VEC)
 
-    return kernel
+
+    return _with_buffers(op, body)
