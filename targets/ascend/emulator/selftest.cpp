@@ -23,22 +23,41 @@ template <typename F> int guarded(F body, std::initializer_list<ua_emu::GmScope:
     }
 }
 
-// GM -> UB -> GM of `count` elements with plain DataCopy.
-template <typename T> void copy_through(T* in, T* out, int64_t n, uint32_t count)
+// GM in -> UB -> GM out through one VECIN/VECOUT queue of ub_bytes: load(gin, ub) fills the UB
+// tensor, store(gout, ub) writes it back (each self-test below varies only these two steps).
+template <typename T, class Load, class Store>
+void through_ub(T* in, int64_t in_len, T* out, int64_t out_len, uint32_t ub_bytes, Load load, Store store)
 {
     TPipe pipe;
     TQueBind<TPosition::VECIN, TPosition::VECOUT, 1> que;
-    pipe.InitBuffer(que, 1, 4096);
+    pipe.InitBuffer(que, 1, ub_bytes);
     GlobalTensor<T> gin, gout;
-    gin.SetGlobalBuffer(in, n);
-    gout.SetGlobalBuffer(out, n);
+    gin.SetGlobalBuffer(in, in_len);
+    gout.SetGlobalBuffer(out, out_len);
     LocalTensor<T> t = que.AllocTensor<T>();
-    DataCopy(t, gin, count);
+    load(gin, t);
     que.EnQue(t);
     t = que.DeQue<T>();
-    DataCopy(gout, t, count);
+    store(gout, t);
     que.FreeTensor(t);
 }
+
+// GM -> UB -> GM of `count` elements with plain DataCopy.
+template <typename T> void copy_through(T* in, T* out, int64_t n, uint32_t count)
+{
+    through_ub(in, n, out, n, 4096, [&](GlobalTensor<T>& g, LocalTensor<T>& t) { DataCopy(t, g, count); },
+               [&](GlobalTensor<T>& g, LocalTensor<T>& t) { DataCopy(g, t, count); });
+}
+
+// UB -> GM of the first ub_len floats, after the copy in has landed.
+inline auto ub_to_out(int64_t ub_len)
+{
+    return [ub_len](GlobalTensor<float>& g, LocalTensor<float>& t) {
+        PipeBarrier<PIPE_ALL>();
+        DataCopy(g, t, (uint32_t)ub_len);
+    };
+}
+
 // Cast fp32 -> D with a rounding mode; n a multiple of 32.
 template <typename D> int cast_from_f32(float* in, D* out, int64_t n, int mode)
 {
@@ -85,21 +104,14 @@ int st_datacopy_params(float* in, int64_t in_len, float* out, int64_t ub_len, ui
 {
     return guarded(
         [&] {
-            TPipe pipe;
-            TQueBind<TPosition::VECIN, TPosition::VECOUT, 1> que;
-            pipe.InitBuffer(que, 1, 16384);
-            GlobalTensor<float> gin, gout;
-            gin.SetGlobalBuffer(in, in_len);
-            gout.SetGlobalBuffer(out, ub_len);
-            LocalTensor<float> t = que.AllocTensor<float>();
-            Duplicate(t, 0.0f, 4096);
-            PipeBarrier<PIPE_ALL>();
-            DataCopy(t, gin, DataCopyParams(count, len, src_gap, dst_gap));
-            que.EnQue(t);
-            t = que.DeQue<float>();
-            PipeBarrier<PIPE_ALL>();
-            DataCopy(gout, t, (uint32_t)ub_len);
-            que.FreeTensor(t);
+            through_ub(
+                in, in_len, out, ub_len, 16384,
+                [&](GlobalTensor<float>& g, LocalTensor<float>& t) {
+                    Duplicate(t, 0.0f, 4096);
+                    PipeBarrier<PIPE_ALL>();
+                    DataCopy(t, g, DataCopyParams(count, len, src_gap, dst_gap));
+                },
+                ub_to_out(ub_len));
         },
         {{in, (size_t)in_len * 4, "in"}, {out, (size_t)ub_len * 4, "out"}});
 }
@@ -110,22 +122,15 @@ int st_datacopy_pad_in(float* in, int64_t in_len, float* out, int64_t ub_len, ui
 {
     return guarded(
         [&] {
-            TPipe pipe;
-            TQueBind<TPosition::VECIN, TPosition::VECOUT, 1> que;
-            pipe.InitBuffer(que, 1, 16384);
-            GlobalTensor<float> gin, gout;
-            gin.SetGlobalBuffer(in, in_len);
-            gout.SetGlobalBuffer(out, ub_len);
-            LocalTensor<float> t = que.AllocTensor<float>();
-            Duplicate(t, 7.0f, 4096);
-            PipeBarrier<PIPE_ALL>();
-            DataCopyPad(t, gin, DataCopyExtParams(count, len_bytes, src_gap_bytes, dst_gap_blocks, 0),
-                        DataCopyPadExtParams<float>(is_pad != 0, (uint8_t)left, (uint8_t)right, value));
-            que.EnQue(t);
-            t = que.DeQue<float>();
-            PipeBarrier<PIPE_ALL>();
-            DataCopy(gout, t, (uint32_t)ub_len);
-            que.FreeTensor(t);
+            through_ub(
+                in, in_len, out, ub_len, 16384,
+                [&](GlobalTensor<float>& g, LocalTensor<float>& t) {
+                    Duplicate(t, 7.0f, 4096);
+                    PipeBarrier<PIPE_ALL>();
+                    DataCopyPad(t, g, DataCopyExtParams(count, len_bytes, src_gap_bytes, dst_gap_blocks, 0),
+                                DataCopyPadExtParams<float>(is_pad != 0, (uint8_t)left, (uint8_t)right, value));
+                },
+                ub_to_out(ub_len));
         },
         {{in, (size_t)in_len * 4, "in"}, {out, (size_t)ub_len * 4, "out"}});
 }
@@ -136,18 +141,12 @@ int st_datacopy_pad_out(float* in, int64_t ub_len, float* out, int64_t out_len, 
 {
     return guarded(
         [&] {
-            TPipe pipe;
-            TQueBind<TPosition::VECIN, TPosition::VECOUT, 1> que;
-            pipe.InitBuffer(que, 1, 16384);
-            GlobalTensor<float> gin, gout;
-            gin.SetGlobalBuffer(in, ub_len);
-            gout.SetGlobalBuffer(out, out_len);
-            LocalTensor<float> t = que.AllocTensor<float>();
-            DataCopy(t, gin, (uint32_t)ub_len);
-            que.EnQue(t);
-            t = que.DeQue<float>();
-            DataCopyPad(gout, t, DataCopyExtParams(count, len_bytes, src_gap_blocks, dst_gap_bytes, 0));
-            que.FreeTensor(t);
+            through_ub(
+                in, ub_len, out, out_len, 16384,
+                [&](GlobalTensor<float>& g, LocalTensor<float>& t) { DataCopy(t, g, (uint32_t)ub_len); },
+                [&](GlobalTensor<float>& g, LocalTensor<float>& t) {
+                    DataCopyPad(g, t, DataCopyExtParams(count, len_bytes, src_gap_blocks, dst_gap_bytes, 0));
+                });
         },
         {{in, (size_t)ub_len * 4, "in"}, {out, (size_t)out_len * 4, "out"}});
 }
