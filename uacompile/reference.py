@@ -67,8 +67,9 @@ def _attend(op, qt, keys, vals, positions, kv_len, slopes):
     Hq, D = qt.shape
     if len(positions) == 0:
         return np.zeros((Hq, D)), np.full(Hq, -np.inf)
-    g = np.arange(Hq) // op.group_size
-    s = np.einsum("hd,nhd->hn", qt, keys[:, g, :]) * op.sm_scale  # [Hq, n]
+    Hkv, G = keys.shape[1], op.group_size  # q head h reads KV head h // G
+    qg = qt.reshape(Hkv, G, D)
+    s = (qg @ keys.transpose(1, 2, 0)).reshape(Hq, -1) * op.sm_scale  # [Hq, n], one matmul per KV head
     if op.softcap:
         s = op.softcap * np.tanh(s / op.softcap)
     if op.alibi:
@@ -76,7 +77,7 @@ def _attend(op, qt, keys, vals, positions, kv_len, slopes):
     m = s.max(axis=1, keepdims=True)
     p = np.exp(s - m)
     denom = p.sum(axis=1)
-    o = np.einsum("hn,nhd->hd", p, vals[:, g, :]) / denom[:, None]
+    o = (p.reshape(Hkv, G, -1) @ vals.transpose(1, 0, 2)).reshape(Hq, D) / denom[:, None]
     return o, m[:, 0] + np.log(denom)
 
 
