@@ -336,7 +336,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {list(SECTIONS)}")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    ap.add_argument("--rerender", metavar="JSON", help="rewrite the report of a run's JSON into --out (no GPU)")
     args = ap.parse_args(argv)
+    if args.rerender:
+        print(write_meta(Path(args.out), json.loads(Path(args.rerender).read_text())))
+        return 0
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -366,18 +370,80 @@ def main(argv=None) -> int:
     return 0
 
 
+# the issue's targets, checked from the rows themselves (a target is met by a benchmark, never a test)
+DECODE_TARGET_GBPS = 3800.0
+CACHE_TARGET_PCT = 85.0
+SWAP_TARGET_PCT = 80.0
+COLD_BUILD_TARGET_MS = 10_000.0
+CACHED_LOAD_TARGET_MS = 50.0
+LAUNCH_BOUND_MS = 0.01  # rows faster than this measure launch cost, not bandwidth: not target rows
+
+
+def target_checks(rows: list[dict]) -> list[dict]:
+    """One check a target row: {target, shape, measured, goal, ratio, met, peers}. Decode and
+    prefill take the production (auto) rows and name the peers' numbers of the same shape."""
+    by = {(r["op"], r["shape"], r["impl"]): r for r in rows}
+    checks = []
+
+    def add(target, shape, measured, goal, higher_is_better=True, peers=""):
+        ratio = measured / goal if higher_is_better else goal / measured
+        checks.append(dict(target=target, shape=shape, measured=round(measured, 2), goal=goal,
+                           ratio=round(ratio, 3), met=ratio >= 1.0, peers=peers))
+
+    def peers_of(op, shape, metric, impls):
+        found = [(i, by[(op, shape, i)][metric]) for i in impls if (op, shape, i) in by]
+        return ", ".join(f"{i} {v:.0f}" for i, v in found)
+
+    for r in rows:
+        if r["op"] == "decode" and r["impl"].startswith("ua") and r["impl"].endswith("(auto)"):
+            add("decode GB/s >= 3800", r["shape"], r["gbps"], DECODE_TARGET_GBPS,
+                peers=peers_of("decode", r["shape"], "gbps", ["FlashInfer tensor-core", "FlashInfer CUDA-core",
+                                                               "torch SDPA contiguous"]))
+        elif r["op"] == "prefill" and r["impl"] == "ua":
+            sdpa = by.get(("prefill", r["shape"], "torch SDPA contiguous"))
+            if sdpa:
+                add("prefill TFLOP/s >= torch SDPA", r["shape"], r["tflops"], sdpa["tflops"],
+                    peers=peers_of("prefill", r["shape"], "tflops", ["torch SDPA contiguous", "FlashInfer paged"]))
+        elif r["op"] in ("reshape_and_cache", "copy_blocks") and r["impl"].startswith("uacompile"):
+            if r["ms"] >= LAUNCH_BOUND_MS:
+                add(f"{r['op']} % of copy ceiling >= 85", r["shape"], r["pct_ceiling"], CACHE_TARGET_PCT)
+        elif r["op"] == "swap_blocks" and "pct_memcpy" in r:
+            add("swap % of pinned memcpy >= 80", r["shape"], r["pct_memcpy"], SWAP_TARGET_PCT)
+    for impl, target, goal in (("nvcc cold build", "cold build ms <= 10000", COLD_BUILD_TARGET_MS),
+                               ("cached load", "cached load ms <= 50", CACHED_LOAD_TARGET_MS)):
+        times = [r["ms"] for r in rows if r["op"] == "build" and r["impl"].startswith(impl)]
+        if times:  # the slowest variant decides
+            add(target, f"slowest of {len(times)} variants", max(times), goal, higher_is_better=False)
+    return checks
+
+
+def targets_table(checks: list[dict]) -> str:
+    lines = ["| target | shape | measured | goal | ratio | met | peers, same run |", "|---|---|---:|---:|---:|---|---|"]
+    for c in checks:
+        lines.append(f"| {c['target']} | {c['shape']} | {c['measured']:g} | {c['goal']:g} | {c['ratio']:.2f} | "
+                     f"{'yes' if c['met'] else '**no**'} | {c['peers']} |")
+    met = sum(c["met"] for c in checks)
+    return "\n".join(lines) + f"\n\n{met} of {len(checks)} target rows met."
+
+
 def write_report(out: Path, ctx: BenchContext, rows: list[dict], pending: list[str]) -> str:
     """kernels-<date>.json and .md under out; a partial report names the sections still to run."""
-    date = dt.date.today().isoformat()
-    out.mkdir(parents=True, exist_ok=True)
     notes = ctx.notes + ([f"partial: sections {', '.join(pending)} not run yet"] if pending else [])
-    meta = dict(gpu=ctx.gpu, date=date, torch=torch.__version__, copy_ceiling_gbps=round(ctx.copy_gbps, 1),
-                notes=notes, rows=rows)
-    (out / f"kernels-{date}.json").write_text(json.dumps(meta, indent=1))
-    text = f"# Kernel benchmark, {ctx.gpu}, {date}\n\n{table(rows)}\n" + "".join(f"\n- {n}" for n in notes) + "\n"
-    (out / f"kernels-{date}.md").write_text(text)
-    return text
+    meta = dict(gpu=ctx.gpu, date=dt.date.today().isoformat(), torch=torch.__version__,
+                copy_ceiling_gbps=round(ctx.copy_gbps, 1), notes=notes, rows=rows)
+    return write_meta(out, meta)
 
+
+def write_meta(out: Path, meta: dict) -> str:
+    """The report of one run's meta (gpu, date, notes, rows): its JSON (with the target checks) and
+    its markdown table; `--rerender` rebuilds both from a committed JSON."""
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(meta, targets=target_checks(meta["rows"]))
+    (out / f"kernels-{meta['date']}.json").write_text(json.dumps(meta, indent=1))
+    text = (f"# Kernel benchmark, {meta['gpu']}, {meta['date']}\n\n{table(meta['rows'])}\n"
+            + "".join(f"\n- {n}" for n in meta["notes"]) + f"\n\n## Targets\n\n{targets_table(meta['targets'])}\n")
+    (out / f"kernels-{meta['date']}.md").write_text(text)
+    return text
 
 if __name__ == "__main__":
     sys.exit(main())

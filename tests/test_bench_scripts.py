@@ -26,3 +26,51 @@ def test_bench_script_help(name):
     out = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "usage:" in out.stdout, out.stderr[-2000:]
+
+
+def _kernels(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("kernels")
+
+
+def test_targets_are_checked_from_the_committed_table(monkeypatch):
+    """bench/kernels.py's target table, from the rows of the committed H200 run."""
+    import json
+
+    kernels = _kernels(monkeypatch)
+    rows = json.loads((BENCH / "results" / "kernels-2026-11-30.json").read_text())["rows"]
+    checks = {(c["target"], c["shape"]): c for c in kernels.target_checks(rows)}
+    by = {(r["op"], r["shape"], r["impl"]): r for r in rows}
+    autos = [r for r in rows if r["op"] == "decode" and r["impl"].startswith("ua") and r["impl"].endswith("(auto)")]
+    assert len(autos) == 4 and all(checks[("decode GB/s >= 3800", r["shape"])]["measured"] == round(r["gbps"], 2)
+                                   for r in autos)
+    for shape in ("8x4096 causal", "2x16384 causal"):
+        c = checks[("prefill TFLOP/s >= torch SDPA", shape)]
+        want = by[("prefill", shape, "ua")]["tflops"] / by[("prefill", shape, "torch SDPA contiguous")]["tflops"]
+        assert c["ratio"] == round(want, 3) and c["met"] == (want >= 1) and "FlashInfer paged" in c["peers"]
+    builds = [r["ms"] for r in rows if r["op"] == "build" and r["impl"] == "nvcc cold build"]
+    assert checks[("cold build ms <= 10000", f"slowest of {len(builds)} variants")]["measured"] == round(max(builds), 2)
+    assert not any(c["shape"].startswith("T=256 ") for c in checks.values()), "launch-bound rows are no target rows"
+
+
+def test_a_target_row_is_met_at_its_goal_and_missed_below(monkeypatch):
+    kernels = _kernels(monkeypatch)
+    row = dict(op="decode", shape="1x1", impl="ua splits=1 (auto)", gbps=kernels.DECODE_TARGET_GBPS, ms=1.0)
+    assert kernels.target_checks([row])[0]["met"]
+    assert not kernels.target_checks([dict(row, gbps=kernels.DECODE_TARGET_GBPS - 1)])[0]["met"]
+    slow = dict(op="build", shape="x", impl="cached load (key+render+dlopen)", ms=kernels.CACHED_LOAD_TARGET_MS * 2)
+    assert not kernels.target_checks([slow])[0]["met"]
+    assert "0 of 1 target rows met" in kernels.targets_table(kernels.target_checks([slow]))
+
+
+def test_rerender_rebuilds_the_report_from_a_json(tmp_path):
+    import json
+
+    src = BENCH / "results" / "kernels-2026-11-30.json"
+    out = subprocess.run([sys.executable, str(BENCH / "kernels.py"), "--rerender", str(src), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    meta = json.loads((tmp_path / "kernels-2026-11-30.json").read_text())
+    assert meta["rows"] == json.loads(src.read_text())["rows"] and meta["targets"]
+    md = (tmp_path / "kernels-2026-11-30.md").read_text()
+    assert "## Targets" in md and "| decode GB/s >= 3800 | 1x32768 |" in md
