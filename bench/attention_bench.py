@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from uacompile import ir
-from uacompile.targets.cuda import attention
+from uacompile.targets.cuda import api, attention
 
 HQ, HKV, D, P = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -39,21 +39,10 @@ def op_of(**kw) -> ir.PagedAttention:
 
 
 def time_ms(fns, calls_per_fn: int = 1, reps: int = 7) -> float:
-    """Median ms per call of fns (rotated), from CUDA graph replays. The warm-up runs on the
-    capture stream, so the per-stream split workspaces and counters exist before capture (the
-    session-4 table, timed with a default-stream warm-up, read its first decode row ~10% below
-    decode_sweep's timer, which already warmed up this way)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls_per_fn):
-            for f in fns:
-                f()
+    """Median ms per call of fns (rotated), from CUDA graph replays (api.capture_graph: warmed up
+    on the capture stream; the session-4 table, timed with a default-stream warm-up, read its
+    first decode row ~10% below decode_sweep's timer, which already warmed up this way)."""
+    graph = api.capture_graph(fns, calls_per_fn)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -322,8 +311,6 @@ def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None
     t0 = time.perf_counter()
     # build every variant the rows use, in parallel, before any timing
     from concurrent.futures import ThreadPoolExecutor
-
-    from uacompile.targets.cuda import api
 
     ops = [op_of(), op_of(variant="unified_masked")]
     sweep = () if quick else (1, 2, 4, 8, 16, 32, 48)

@@ -289,16 +289,9 @@ def test_design_back_to_back_in_a_graph(design_kernels, rng, design):
     outs = [(torch.empty_like(d["q"]), torch.empty(d["q"].shape[:2], device="cuda")) for d in devs]
     launch = [lambda d=d, o=o: kern(**d, o_partial=o_part, lse_partial=lse_part, split_counters=counters,
                                     out=o[0], lse=o[1]) for d, o in zip(devs, outs)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in launch:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for f in launch:
-            f()
+    from uacompile.targets.cuda import api as cuda_api
+
+    graph = cuda_api.capture_graph(launch)
     for _ in range(2):
         for o, l in outs:
             o.fill_(float("nan")), l.fill_(float("nan"))

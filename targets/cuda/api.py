@@ -178,3 +178,21 @@ def merge_state(o_partial, lse_partial, out=None, lse=None, out_dtype: torch.dty
     extra = {"lse": lse} if lse is not None else {}
     kernel(op)(o_partial=o_partial, lse_partial=lse_partial, out=out, **extra)
     return (out, lse) if lse is not None else out
+
+
+def capture_graph(fns, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` rounds of fns. Each fn runs once first on the capture stream, so the
+    per-stream workspaces paged_attention() keeps (split partials, counters) exist before capture
+    and the graph holds kernels only."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            for f in fns:
+                f()
+    return graph
