@@ -60,36 +60,14 @@ CANDIDATES = {
 }
 
 
-def build_worker(design: str, ops: list, arch: str) -> tuple[str, float]:
-    """In a worker process: build one candidate's library (the knobs are read at render)."""
-    if design:
-        os.environ["UACOMPILE_RC_VARIANT"] = design
-    else:
-        os.environ.pop("UACOMPILE_RC_VARIANT", None)
-    from uacompile.targets.cuda.build import build
-
-    res = build(ops, arch)
-    return str(res.path), res.seconds
-
-
 def build_all(names: list[str], ops: list, arch: str) -> tuple[dict, dict]:
     """Parallel nvcc runs, one per candidate: {name: library}, {name: error}."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from uacompile.targets.cuda.loader import build_failure, load_designs
+    from uacompile.targets.cuda.render import RC_DESIGN_ENV
 
-    from uacompile.targets.cuda.loader import load_library
-
-    libs, failed = {}, {}
-    workers = max(1, min(len(names), os.cpu_count() or 1))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {name: pool.submit(build_worker, CANDIDATES[name], ops, arch) for name in names}
-        for name, fut in futures.items():
-            try:
-                path, _ = fut.result()
-                libs[name] = load_library(path, ops)
-            except Exception as e:  # noqa: BLE001 - a candidate that does not build is a row, not the end
-                failed[name] = f"build: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__}"
-    return libs, failed
+    built = load_designs(RC_DESIGN_ENV, {name: CANDIDATES[name] for name in names}, ops, arch)
+    libs = {n: v for n, v in built.items() if not isinstance(v, Exception)}
+    return libs, {n: build_failure(v) for n, v in built.items() if isinstance(v, Exception)}
 
 
 # ---------------------------------------------------------------- correctness

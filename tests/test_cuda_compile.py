@@ -175,3 +175,17 @@ def test_friendly_functions_check_layout_and_scales():
         api.reshape_and_cache(k, k, cache, cache, torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ir.IRError, match=r"page_size"):
         api.copy_blocks(torch.zeros(1, 2, 4, 3, 2, 64, dtype=torch.float16), torch.zeros(1, 2, dtype=torch.int64))
+
+
+def test_designs_build_side_by_side_and_a_bad_one_is_reported():
+    """loader.load_designs (the sweeps' candidate builds): one library a design, built in spawned
+    workers that each see only their own knobs; a design that does not build comes back as its error."""
+    from uacompile.targets.cuda.loader import KernelLibrary, build_failure, load_designs
+    from uacompile.targets.cuda.render import RC_DESIGN_ENV
+
+    ops = [R(8, 128)]
+    built = load_designs(RC_DESIGN_ENV, {"production": "", "waves1": "waves=1", "bad": "no_such_knob=1"}, ops, "sm_90")
+    assert isinstance(built["production"], KernelLibrary) and isinstance(built["waves1"], KernelLibrary)
+    assert built["production"].path != built["waves1"].path  # the knob reached its worker's render
+    assert isinstance(built["bad"], Exception) and "unknown knobs" in build_failure(built["bad"])
+    assert build_failure(built["bad"]).startswith("build: ")

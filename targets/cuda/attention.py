@@ -151,35 +151,12 @@ def design_of(text: str | None = None) -> dict:
     return design
 
 
-def build_design(design: str, ops: list, arch: str | None = None) -> str:
-    """In a worker process (the knobs are read at render): build ops with design; the library path."""
-    import os
-
-    from .build import build
-
-    os.environ[DESIGN_ENV] = design
-    return str(build(ops, arch).path)
-
-
-def load_designs(designs: dict, ops: list, arch: str | None = None, workers: int | None = None) -> dict:
+def load_designs(designs: dict, ops: list, arch: str | None = None) -> dict:
     """{name: KernelLibrary or the exception its build raised}: one library a design ("k=v,..."),
-    built in parallel spawned processes so that no build sees another's knobs."""
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor
+    built in parallel spawned processes (loader.load_designs)."""
+    from .loader import load_designs as load
 
-    from .loader import load_library
-
-    out = {}
-    workers = workers or max(1, min(len(designs), os.cpu_count() or 1))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {name: pool.submit(build_design, d, ops, arch) for name, d in designs.items()}
-        for name, fut in futures.items():
-            try:
-                out[name] = load_library(fut.result(), ops)
-            except Exception as e:  # noqa: BLE001 - a design that does not build is reported, not fatal
-                out[name] = e
-    return out
+    return load(DESIGN_ENV, designs, ops, arch)
 
 
 def template_context(op: ir.PagedAttention, arch: str = "sm_90") -> tuple[str, dict]:

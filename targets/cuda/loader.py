@@ -59,3 +59,38 @@ def load(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Kerne
     ops = [ops] if isinstance(ops, ir.OpSpec) else list(ops)
     res = build(ops, arch)
     return load_library(res.path, ops, res)
+
+
+# ---------------------------------------------------------------- design candidates side by side
+def _build_design(env_var: str, design: str, ops: list, arch: str | None) -> str:
+    """In a spawned worker: build ops with the design's knobs in env_var; the library path."""
+    import os
+
+    os.environ[env_var] = design
+    return str(build(ops, arch).path)
+
+
+def load_designs(env_var: str, designs: dict, ops: list, arch: str | None = None) -> dict:
+    """{name: KernelLibrary, or the exception its build raised}: ops built once per design
+    ("k=v,..." in env_var, which the template's context builder reads at render; "" is production),
+    each in its own spawned process so that no build sees another's knobs, nvcc runs in parallel."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    out = {}
+    workers = max(1, min(len(designs), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {name: pool.submit(_build_design, env_var, d, ops, arch) for name, d in designs.items()}
+        for name, fut in futures.items():
+            try:
+                out[name] = load_library(fut.result(), ops)
+            except Exception as e:  # noqa: BLE001 - a design that does not build is reported, not fatal
+                out[name] = e
+    return out
+
+
+def build_failure(e: Exception) -> str:
+    """A design's failed build in one line (a sweep's row)."""
+    text = str(e).strip()
+    return f"build: {text.splitlines()[-1][:200] if text else type(e).__name__}"

@@ -64,6 +64,9 @@ def lane_group(chunks: int) -> int:
 
 
 # ---------------------------------------------------------------- per-op context builders
+RC_DESIGN_ENV = "UACOMPILE_RC_VARIANT"  # reshape_and_cache design knobs of a build worker (bench/reshape_sweep.py)
+
+
 def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
     """Template context; `design` overrides the tuned choices (bench/reshape_sweep.py builds
     candidates that way, in worker processes, through UACOMPILE_RC_VARIANT="rows=4,waves=0"):
@@ -77,8 +80,8 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
     prefetch (L2 prefetch of the rows this many tokens ahead; 0 = off)."""
     import os
 
-    if not design and os.environ.get("UACOMPILE_RC_VARIANT"):
-        design = dict(kv.split("=", 1) for kv in os.environ["UACOMPILE_RC_VARIANT"].split(","))
+    if not design and os.environ.get(RC_DESIGN_ENV):
+        design = dict(kv.split("=", 1) for kv in os.environ[RC_DESIGN_ENV].split(","))
     unknown = set(design) - {"rows", "steps", "threads", "waves", "min_blocks", "stages", "fast_quant", "neox",
                              "group", "quant", "amax", "prefetch"}
     if unknown:
