@@ -93,6 +93,13 @@ class PagedBatch:
         return self.q.view(self.B, self.q_len, HQ, D).transpose(1, 2)
 
 
+def decode_batches(B: int, L: int, gen: torch.Generator) -> list[PagedBatch]:
+    """Copies of a B x L decode batch, as many (at most 4) as their K/V need to fill L2 four times
+    over, so that calls rotating through them read K/V from DRAM."""
+    copies = max(1, min(4, -(-4 * L2_BYTES // (2 * B * L * HKV * D * 2))))
+    return [PagedBatch(B, L, 1, gen) for _ in range(copies)]
+
+
 def spin_up_clocks(seconds: float = 0.3) -> None:
     """Busy the GPU a moment before timing: it idles at 345 MHz while builds and JIT run on the CPU."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
@@ -130,8 +137,7 @@ def decode_rows(gen, splits_sweep=(), unified=False) -> list[dict]:
     rows = []
     op = op_of()
     for B, L in DECODE_SHAPES:
-        copies = max(1, min(4, -(-4 * L2_BYTES // (2 * B * L * HKV * D * 2))))
-        batches = [PagedBatch(B, L, 1, gen) for _ in range(copies)]
+        batches = decode_batches(B, L, gen)
         b0 = batches[0]
         shape = f"{B}x{L}"
         k, v = b0.contiguous_kv()

@@ -36,6 +36,7 @@ import attention_bench as ab  # noqa: E402  (PagedBatch, sdpa, shapes)
 
 from uacompile import ir  # noqa: E402
 from uacompile.targets.cuda import api, attention  # noqa: E402
+from uacompile.targets.cuda.loader import build_failure  # noqa: E402
 
 SPLITS = (1, 2, 4, 8, 16, 32, 33, 48, 64)
 EXTRA_SHAPES = [(2, 32768), (4, 16384), (16, 8192), (12, 16384), (20, 8192), (64, 2048)]
@@ -64,6 +65,11 @@ def unit_slots(op) -> int:
     """(token, KV head, split) items the GPU runs at once: resident blocks x their decode groups."""
     lay = attention.layout(op, attention._arch(0))
     return attention._num_sms(0) * lay.blocks_per_sm * lay.decode_groups
+
+
+def replay_calls(kv_bytes: int) -> int:
+    """Calls a graph replay holds: about 2 ms of K/V streaming, 2 to 20 of them."""
+    return max(2, min(20, int(2e-3 / (kv_bytes / 3.5e12))))
 
 
 def split_counts(B: int, L: int, auto: int) -> list[int]:
@@ -100,11 +106,10 @@ def build_all(shapes, quantized: bool) -> float:
 def sweep_row(B: int, L: int, gen) -> list[dict]:
     op = ab.op_of()
     slots = unit_slots(op)
-    copies = max(1, min(4, -(-4 * ab.L2_BYTES // (2 * B * L * ab.HKV * ab.D * 2))))
-    batches = [ab.PagedBatch(B, L, 1, gen) for _ in range(copies)]
+    batches = ab.decode_batches(B, L, gen)
     b0 = batches[0]
     kv_bytes = b0.kv_bytes
-    calls = max(2, min(20, int(2e-3 / (kv_bytes / 3.5e12))))  # ~2 ms of work per replay
+    calls = replay_calls(kv_bytes)
     k, v = b0.contiguous_kv()
     want = ab.sdpa(b0.q_bhld(), k, v, False).transpose(1, 2).reshape(b0.q.shape).float()
     del k, v
@@ -155,7 +160,7 @@ def quantized_rows(gen) -> list[dict]:
         args = {**b.args(), **caches}
         kv_bytes = 2 * B * L * ab.HKV * (ab.D + 4)  # 1-byte elements + a float scale per row
         auto = auto_splits(op, B, L)
-        calls = max(2, min(20, int(2e-3 / (kv_bytes / 3.5e12))))
+        calls = replay_calls(kv_bytes)
         want = None
         for splits in quantized_splits(op, B, L):
             for fused in ((True, False) if splits > 1 else (True,)):
@@ -234,15 +239,13 @@ def candidates_main(names: list[str], json_path: str | None, build_only: bool = 
         bad = [f"{n}: {v}" for n, v in libs.items() if isinstance(v, Exception)]
         print("\n".join(bad))
         return 1 if bad else 0
-    failed = {n: f"build: {str(v).strip().splitlines()[-1][:200] if str(v).strip() else type(v).__name__}"
-              for n, v in libs.items() if isinstance(v, Exception)}
+    failed = {n: build_failure(v) for n, v in libs.items() if isinstance(v, Exception)}
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for (B, L), (op, splits) in ops.items():
-        copies = max(1, min(4, -(-4 * ab.L2_BYTES // (2 * B * L * ab.HKV * ab.D * 2))))
-        batches = [ab.PagedBatch(B, L, 1, gen) for _ in range(copies)]
+        batches = ab.decode_batches(B, L, gen)
         b0 = batches[0]
-        calls = max(2, min(20, int(2e-3 / (b0.kv_bytes / 3.5e12))))
+        calls = replay_calls(b0.kv_bytes)
         k, v = b0.contiguous_kv()
         want = ab.sdpa(b0.q_bhld(), k, v, False).transpose(1, 2).reshape(b0.q.shape).float()
         del k, v
