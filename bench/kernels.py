@@ -32,6 +32,7 @@ import torch
 from uacompile import ir
 
 sys.path.insert(0, str(Path(__file__).parent))
+import attention_bench  # noqa: E402
 from attention_bench import spin_up_clocks  # noqa: E402
 
 GB = 1e9
@@ -293,25 +294,14 @@ def build_rows(ctx: BenchContext) -> list[dict]:
     return rows
 
 
-def _attention_bench(ctx: BenchContext):
-    try:
-        import attention_bench
-    except ImportError as e:
-        ctx.notes.append(f"attention rows skipped: {e}")
-        return None
-    return attention_bench
-
-
 def attention_rows(ctx: BenchContext) -> list[dict]:
-    ab = _attention_bench(ctx)
-    return ab.attention_rows(ctx, flashinfer=False) if ab else []
+    return attention_bench.attention_rows(ctx, flashinfer=False)
 
 
 def peer_rows(ctx: BenchContext) -> list[dict]:
     """FlashInfer's attention rows: a section of their own, last, since their JIT build is the
     slowest step (bench/run_device.sh builds it during the GPU tests)."""
-    ab = _attention_bench(ctx)
-    return ab.peer_rows(ctx) if ab and ab.flashinfer_wanted(ctx.quick) else []
+    return attention_bench.peer_rows(ctx) if attention_bench.flashinfer_wanted(ctx.quick) else []
 
 
 SECTIONS = {"cache": lambda c: reshape_rows(c) + copy_blocks_rows(c), "swap": swap_rows, "build": build_rows,

@@ -312,19 +312,18 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
     if op.return_lse and lse is None:
         lse = torch.empty((T, op.num_q_heads), dtype=torch.float32, device=q.device)
     extra = dict(out=out, lse=lse) if op.return_lse else dict(out=out)
+    if num_splits > 1:  # this stream's partials workspace
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        o_part, lse_part = _workspace(q.device, stream, num_splits, T, op.num_q_heads, op.head_dim)
     if num_splits == 1:
         kernel(op.replace(num_splits=1, fused_merge=False))(**tensors, **extra)
     elif fused_merge:
-        stream = torch.cuda.current_stream(q.device).cuda_stream
-        o_part, lse_part = _workspace(q.device, stream, num_splits, T, op.num_q_heads, op.head_dim)
         counters = _split_counters(q.device, stream, T, op.num_kv_heads)
         kernel(op.replace(num_splits=num_splits, fused_merge=True))(
             **tensors, o_partial=o_part, lse_partial=lse_part, split_counters=counters, **extra)
     else:
-        part = op.replace(num_splits=num_splits, return_lse=False, fused_merge=False)
-        o_part, lse_part = _workspace(q.device, torch.cuda.current_stream(q.device).cuda_stream, num_splits, T,
-                                      op.num_q_heads, op.head_dim)
-        kernel(part)(**tensors, o_partial=o_part, lse_partial=lse_part)
+        kernel(op.replace(num_splits=num_splits, return_lse=False, fused_merge=False))(
+            **tensors, o_partial=o_part, lse_partial=lse_part)
         merge = ir.MergeState(num_heads=op.num_q_heads, head_dim=op.head_dim, num_splits=num_splits,
                               out_dtype=op.q_dtype, return_lse=op.return_lse)
         kernel(merge)(o_partial=o_part, lse_partial=lse_part, **extra)
