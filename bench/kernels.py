@@ -4,7 +4,8 @@
 
 Rows are dicts {op, shape, impl, gbps | tflops | ms, note?}. Bandwidth counts the bytes a
 kernel must move (each input read once, each output written once) over its median time
-(CUDA events, warmed up; small shapes are timed as CUDA-graph replays of many calls).
+(CUDA events, warmed up; reshape_and_cache rows and small shapes are timed as CUDA-graph
+replays of many calls, reshape_and_cache's impls interleaved round by round: time_graphs).
 Cache ops are compared with the device copy ceiling (a 1 GiB torch copy_) and torch index
 copies; swap with one pinned cudaMemcpy of the same bytes and with per-block copies (vLLM's
 swap_blocks does one memcpy per block). Build rows: nvcc cold build and cached load (a
@@ -39,30 +40,84 @@ GB = 1e9
 
 
 # ---------------------------------------------------------------- timing
+def time_graphs(fns: dict, calls: int = 20, rounds: int = 25) -> dict:
+    """Interleaved CUDA-graph timing of several functions: {name: Timing}.
+
+    Each fn is captured `calls` times back to back into one CUDA graph (launch gaps and Python
+    do not count). Every round replays each graph once, in an order rotated by one per round,
+    with no synchronisation inside a round, so clock, thermal and DRAM drift hits all of them
+    alike and none always runs first. A sample is one replay's time per call; a Timing keeps
+    them all (median and spread). The warm-up runs on the capture stream (attention_bench.time_ms
+    says why)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graphs = {}
+    with torch.cuda.stream(stream):
+        for fn in fns.values():
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    for name, fn in fns.items():
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(calls):
+                fn()
+        graphs[name] = g
+    names = list(graphs)
+    for n in names:  # one untimed replay each: first-replay costs (graph upload) stay out
+        graphs[n].replay()
+    torch.cuda.synchronize()
+    samples = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        events = []
+        for n in order:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graphs[n].replay()
+            b.record()
+            events.append((n, a, b))
+        events[-1][2].synchronize()
+        for n, a, b in events:
+            samples[n].append(a.elapsed_time(b) / calls)
+    del graphs
+    return {n: Timing(samples[n]) for n in names}
+
+
+@dataclass
+class Timing:
+    """Samples of ms per call; median and the interquartile spread in % of the median."""
+
+    samples: list
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def spread_pct(self) -> float:
+        if len(self.samples) < 4:
+            return 100 * (max(self.samples) - min(self.samples)) / self.ms
+        q1, _, q3 = statistics.quantiles(self.samples, n=4)
+        return 100 * (q3 - q1) / self.ms
+
+
 def time_ms(fn, iters: int = 20, repeats: int = 5, warmup: int = 3, graph: bool = False) -> float:
     """Median over `repeats` of the mean time of `iters` back-to-back calls (CUDA events).
-    graph=True captures the `iters` calls in one CUDA graph and times its replay, so Python
-    and launch gaps do not count (what a serving step with CUDA graphs sees)."""
+    graph=True times replays of one CUDA graph of the `iters` calls (time_graphs), so Python
+    and launch gaps do not count (what a serving step with CUDA graphs sees). Without a graph,
+    the first call of each sample waits for Python after the start event: use it only where
+    one call is long against a launch (or cannot be captured)."""
+    if graph:
+        return time_graphs({"": fn}, calls=iters, rounds=repeats)[""].ms
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    run = lambda: [fn() for _ in range(iters)]  # noqa: E731
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(g):
-            run()
-        run = g.replay
-        run()
     samples = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        run()
+        for _ in range(iters):
+            fn()
         b.record()
         b.synchronize()
         samples.append(a.elapsed_time(b) / iters)
@@ -100,8 +155,8 @@ def _torch_dtype(d: str):
             "fp8_e4m3": torch.float8_e4m3fn}[d]
 
 
-def _kv(shape, dtype: str) -> torch.Tensor:
-    x = torch.randn(shape, device="cuda")
+def _kv(shape, dtype: str, gen: torch.Generator | None = None) -> torch.Tensor:
+    x = torch.randn(shape, device="cuda", generator=gen)
     if dtype == "int8":
         return (x * 40).clamp(-127, 127).to(torch.int8)
     return x.to(_torch_dtype(dtype))
@@ -110,6 +165,11 @@ def _kv(shape, dtype: str) -> torch.Tensor:
 # the tracked reshape_and_cache rows: (num_tokens, dtype, kv_dtype, rope) at Hkv=8, D=128, P=16
 RESHAPE_CASES = [(32768, "fp16", "fp16", False), (32768, "bf16", "int8", False), (32768, "bf16", "fp8_e4m3", False),
                  (32768, "bf16", "bf16", True), (256, "bf16", "bf16", False)]
+# reshape_and_cache timing (time_graphs): calls per graph replay and interleaved rounds. A big
+# row's replay is ~1.5 ms (20 calls of 60-80 us); 25 rounds put the median's noise well under
+# a point of the ceiling (the spread column shows it)
+RESHAPE_CALLS = {"big": 20, "small": 200}
+RESHAPE_ROUNDS = 25
 
 
 @dataclass
@@ -120,8 +180,12 @@ class ReshapeCase:
     shape: str
 
     @property
-    def small(self) -> bool:  # timed as CUDA-graph replays (launch gaps would dominate)
+    def small(self) -> bool:  # launch-bound: more calls per graph replay
         return self.args["k"].shape[0] <= 4096
+
+    @property
+    def calls(self) -> int:
+        return RESHAPE_CALLS["small" if self.small else "big"]
 
 
 def reshape_op(T: int, dt_in: str, dt_kv: str, rope: bool, Hkv: int = 8, D: int = 128, P: int = 16) -> ir.ReshapeAndCache:
@@ -129,17 +193,21 @@ def reshape_op(T: int, dt_in: str, dt_kv: str, rope: bool, Hkv: int = 8, D: int 
     return ir.ReshapeAndCache(Hkv, D, P, dtype=dt_in, kv_dtype=dt_kv, rope=rope)
 
 
-def reshape_case(T: int, dt_in: str, dt_kv: str, rope: bool, Hkv: int = 8, D: int = 128, P: int = 16) -> ReshapeCase:
-    """T distinct random slots in a cache of twice the pages needed (no -1: every row is written)."""
+def reshape_case(T: int, dt_in: str, dt_kv: str, rope: bool, Hkv: int = 8, D: int = 128, P: int = 16,
+                 seed: int = 0) -> ReshapeCase:
+    """T distinct random slots in a cache of twice the pages needed (no -1: every row is written).
+    The data and the slot permutation come from `seed` alone (the same rows and scatter pattern in
+    every run: a fresh permutation per run was one source of run-to-run spread)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     num_pages = T // P * 2
     op = reshape_op(T, dt_in, dt_kv, rope, Hkv, D, P)
-    args = dict(k=_kv((T, Hkv, D), dt_in), v=_kv((T, Hkv, D), dt_in),
-                slot_mapping=torch.randperm(num_pages * P, device="cuda")[:T].contiguous(),
-                k_cache=_kv((num_pages, P, Hkv, D), dt_kv), v_cache=_kv((num_pages, P, Hkv, D), dt_kv))
+    args = dict(k=_kv((T, Hkv, D), dt_in, gen), v=_kv((T, Hkv, D), dt_in, gen),
+                slot_mapping=torch.randperm(num_pages * P, device="cuda", generator=gen)[:T].contiguous(),
+                k_cache=_kv((num_pages, P, Hkv, D), dt_kv, gen), v_cache=_kv((num_pages, P, Hkv, D), dt_kv, gen))
     if op.quantized:
         args.update(k_scale=torch.ones(num_pages, P, Hkv, device="cuda"), v_scale=torch.ones(num_pages, P, Hkv, device="cuda"))
     if rope:
-        args["positions"] = torch.randint(0, 32768, (T,), device="cuda")
+        args["positions"] = torch.randint(0, 32768, (T,), device="cuda", generator=gen)
     out_item = torch.empty((), dtype=_torch_dtype(dt_kv)).element_size()
     nbytes = 2 * T * Hkv * D * (args["k"].element_size() + out_item) + T * 8 + (2 * T * Hkv * 4 if op.quantized else 0)
     shape = f"T={T} Hkv={Hkv} D={D} P={P} {dt_in}->{dt_kv}{' +rope' if rope else ''}"
@@ -147,6 +215,7 @@ def reshape_case(T: int, dt_in: str, dt_kv: str, rope: bool, Hkv: int = 8, D: in
 
 
 def reshape_rows(ctx: BenchContext) -> list[dict]:
+    """Ours and torch's index copies of each case, timed interleaved (time_graphs)."""
     from uacompile.targets.cuda import api
 
     rows = []
@@ -154,18 +223,17 @@ def reshape_rows(ctx: BenchContext) -> list[dict]:
     for case_args in cases:
         case = reshape_case(*case_args)
         a, Hkv, D = case.args, case.op.num_kv_heads, case.op.head_dim
-        ours = lambda: api.kernel(case.op)(**a)  # noqa: E731
-        iters = 50 if case.small else 10
-        ms = time_ms(ours, iters=iters, graph=case.small)
-        rows.append(row("reshape_and_cache", case.shape, "uacompile", gbps=case.nbytes / ms / 1e6, ms=ms,
-                        pct_ceiling=100 * case.nbytes / ms / 1e6 / ctx.copy_gbps))
+        kern = api.kernel(case.op)
+        fns = {"uacompile": lambda: kern(**a)}
         if not case.op.quantized and not case.op.rope:  # torch's scatter of the same rows (no -1 handling, no fusion)
             kf, vf = a["k_cache"].view(-1, Hkv, D), a["v_cache"].view(-1, Hkv, D)
-            base = lambda: (kf.index_copy_(0, a["slot_mapping"], a["k"]), vf.index_copy_(0, a["slot_mapping"], a["v"]))  # noqa: E731
-            ms = time_ms(base, iters=iters, graph=case.small)
-            rows.append(row("reshape_and_cache", case.shape, "torch index_copy_ x2", gbps=case.nbytes / ms / 1e6, ms=ms,
-                            pct_ceiling=100 * case.nbytes / ms / 1e6 / ctx.copy_gbps))
-        del case, a
+            fns["torch index_copy_ x2"] = lambda: (kf.index_copy_(0, a["slot_mapping"], a["k"]),
+                                                   vf.index_copy_(0, a["slot_mapping"], a["v"]))
+        for impl, t in time_graphs(fns, calls=case.calls, rounds=RESHAPE_ROUNDS).items():
+            rows.append(row("reshape_and_cache", case.shape, impl, gbps=case.nbytes / t.ms / 1e6, ms=t.ms,
+                            pct_ceiling=100 * case.nbytes / t.ms / 1e6 / ctx.copy_gbps, spread_pct=t.spread_pct,
+                            note=f"IQR {t.spread_pct:.1f}% of {len(t.samples)} graph replays"))
+        del case, a, fns
     return rows
 
 

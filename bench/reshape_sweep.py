@@ -10,8 +10,11 @@ on poisoned caches with every 5th slot -1, against the numpy reference (bit for 
 fused RoPE as tests/test_cuda_gpu.py allows, <= 1e-4 of the written rows, and bit for bit with
 the first candidate); for quantised caches a second run with rows outside the fast quantisation
 range (zeros, NaN, Inf, tiny and huge scales, the range's edges), bit for bit with the first
-candidate (the reference leaves NaN rows to numpy's casts); then CUDA-event timing (warm-up, median of 21 samples) with every slot
-written. The copy ceiling (a 1 GiB torch copy_) is measured in the same run.
+candidate (the reference leaves NaN rows to numpy's casts). Then all candidates that passed
+are timed together with every slot written (kernels.time_graphs: one CUDA graph of many calls
+each, replayed round-robin, the order rotated per round; median and interquartile spread), on
+inputs from a fixed seed. The copy ceiling (a 1 GiB torch copy_) is measured in the same run,
+after the GPU clocks are spun up (it idles through the builds).
 """
 from __future__ import annotations
 
@@ -25,38 +28,35 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 
 # name -> design knobs ("" = the production choice); the knobs are documented in _reshape_and_cache.
-# A candidate's knobs apply to every column: read the table per column (min_blocks caps registers,
-# which RoPE's float64 math cannot afford; the quant / amax knobs change only the int8 / fp8 columns).
-# Dropped after the 2026-11-30 sweep (bench/results/reshape-sweep-2026-11-30.log), where they lost
-# to the production choice: stages3/4, stages4-t128, rows1/4, stages3-rows1, waves2, threads512,
-# minblocks4, stages2-minblocks4, steps1, slowquant, neox-reload.
+# A candidate's knobs apply to every column: read the table per column (the quantised columns get
+# quant=lean,amax=packed under every candidate; RoPE's run through the cp.async ring, where oneshot
+# changes nothing). Registers are sm_90 ptxas counts of the big-task kernel (the min_blocks caps
+# also cap RoPE's float64 math, which then spills: read those in the other columns).
+# Dropped after the 2026-11-30 sweeps (bench/results/reshape-sweep-2026-11-30.log and
+# reshape-sweep-lean-2026-11-30.log), where they lost to the production choice: stages2/3/4 and
+# stages4-t128 without a persistent grid, rows1/4, stages3-rows1, waves1/2 (register pipeline),
+# threads128/512, minblocks4, mb5, mb8, stages2-minblocks4, steps1, slowquant, neox-reload,
+# group 4/8, prefetch 1024/2048/4096; lean and lean-packed are production.
 CANDIDATES = {
     "default": "",
-    # quantised rows: the general path once per step, no division / reciprocal calls on the fast
-    # path (64 registers with spills -> 63 without, about half the instructions); packed: K and V
-    # rows' maxima in one u16x2 shuffle (16 -> 8 shuffles a step)
-    "lean": "quant=lean",
-    "lean-packed": "quant=lean,amax=packed",
-    # ... with a register cap of 48 (5 blocks of 256 an SM; ptxas spills ~48 bytes)
-    "lean-packed-mb5": "quant=lean,amax=packed,min_blocks=5",
-    # fewer lanes per row: each lane reduces 2 / 4 vectors itself, 3 / 2 shuffle rounds, one head a step
-    "lean-packed-g8": "quant=lean,amax=packed,group=8",
-    "lean-packed-g4": "quant=lean,amax=packed,group=4",
-    # L2 prefetch of the rows 1024 / 4096 tokens ahead (bytes in flight that hold no registers)
-    "lean-packed-pf1024": "quant=lean,amax=packed,prefetch=1024",
-    "lean-packed-pf4096": "quant=lean,amax=packed,prefetch=4096",
-    # software pipelining: persistent lane groups, the next step's rows loaded before the current
-    # step is reduced, converted and stored (register double buffer), 1 / 2 waves of resident blocks
-    "lean-packed-waves1": "quant=lean,amax=packed,waves=1",
-    "lean-packed-waves2": "quant=lean,amax=packed,waves=2",
-    # fp16 copy and RoPE columns: occupancy and prefetch
-    "mb8": "min_blocks=8",
-    "pf2048": "prefetch=2048",
-    # RoPE column: the shared-memory ring's depth (every variant goes through cp.async with these)
-    "stages2": "stages=2",
-    "stages4": "stages=4",
-    "stages2-mb4": "stages=2,min_blocks=4",
-    "threads128": "threads=128",
+    # waves=0 gives each warp one round: known at compile time, the register pipeline's next-task
+    # loads and loop-carried copies go (int8/fp8 63 -> 40 registers, fp16 53 -> 28: 4 -> 6 / 8
+    # resident blocks of 256 an SM, so more rows in flight per SM)
+    "oneshot": "oneshot=1",
+    # ... capped at 32 registers: 8 blocks an SM, full occupancy (spill-free for the bench's D=128
+    # int8 / fp8 / fp16; spills 4-44 bytes at quantised D 64/80/96 and 140-650 with RoPE)
+    "oneshot-mb8": "oneshot=1,min_blocks=8",
+    # ... four heads a step: 8 vectors a lane in flight before the first reduction (64 / 42 registers)
+    "oneshot-rows4": "oneshot=1,rows=4",
+    # ... 128-thread blocks capped at 32 registers (a block's slot frees when its 4 warps end; spills as mb8)
+    "oneshot-t128-mb16": "oneshot=1,threads=128,min_blocks=16",
+    # cp.async ring on a persistent grid (2 waves): the next 1 / 2 / 3 steps in flight through shared
+    # memory instead of registers (int8/fp8 50, fp16 32 registers; with RoPE the ring runs on
+    # across tokens instead of refilling per token). The ring without a persistent grid lost (above).
+    "stages2-waves2": "stages=2,waves=2",
+    "stages3-waves2": "stages=3,waves=2",
+    "stages4-waves2": "stages=4,waves=2",
+    "stages3-waves1": "stages=3,waves=1",
 }
 
 
@@ -181,7 +181,7 @@ def short(shape: str) -> str:
 
 
 def table(rows: list[dict], names: list[str], shapes: list[str]) -> str:
-    width, cell = max(len(n) for n in ["candidate", *names]), 22
+    width, cell = max(len(n) for n in ["candidate", *names]), 27
     head = f"{'candidate':<{width}} | " + " | ".join(f"{short(s):>{cell}}" for s in shapes) + " | min % (T=32768)"
     lines = [head, "-" * len(head)]
     by = {(r["candidate"], r["shape"]): r for r in rows}
@@ -193,7 +193,7 @@ def table(rows: list[dict], names: list[str], shapes: list[str]) -> str:
                 cells.append(f"{'-':>{cell}}")
                 continue
             flag = "" if r["check"] == "ok" else " !"
-            cells.append(f"{r['gbps']:6.0f} {r['pct_ceiling']:3.0f}% {r['us']:6.1f}us{flag:>2}")
+            cells.append(f"{r['gbps']:5.0f} {r['pct_ceiling']:5.1f}% {r['us']:6.1f}us ±{r['spread_pct'] / 2:3.1f}{flag:>2}")
             if s.startswith("T=32768"):
                 big.append(r["pct_ceiling"])
         lines.append(f"{n:<{width}} | " + " | ".join(cells) + (f" | {min(big):.1f}" if big else ""))
@@ -204,7 +204,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma list of candidates (the first is the K reference for RoPE)")
     ap.add_argument("--list", action="store_true", help="print the candidates and exit")
-    ap.add_argument("--repeats", type=int, default=21, help="timing samples per candidate and case (median)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="interleaved timing rounds per case (median, IQR; 0: kernels.RESHAPE_ROUNDS)")
     args = ap.parse_args(argv)
     if args.list:
         for n, d in CANDIDATES.items():
@@ -223,6 +224,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(BENCH_DIR))
     import kernels as kb
 
+    args.rounds = args.rounds or kb.RESHAPE_ROUNDS
+
     from uacompile.targets.cuda import api
     from uacompile.targets.cuda.build import default_arch
 
@@ -234,6 +237,7 @@ def main(argv=None) -> int:
     print(f"[sweep] built {len(libs)} of {len(names)} candidates in {build_s:.1f} s", flush=True)
 
     ctx = kb.BenchContext(gpu=torch.cuda.get_device_name())
+    kb.spin_up_clocks()  # the GPU idled through the builds
     kb.copy_ceiling(ctx)
     rows, shapes = [], []
     for case_args in kb.RESHAPE_CASES:
@@ -245,34 +249,46 @@ def main(argv=None) -> int:
         expected = expected_outputs(case, check_slots)
         special = special_rows(case) if case.op.quantized else None
         first: dict = {}
-        for n in names:
+        kerns = {}
+        for n in names:  # correctness first, every candidate; only those that launch are timed
             if n not in libs:
                 rows.append(dict(shape=case.shape, candidate=n, design=CANDIDATES[n], check=failed[n]))
                 continue
             kern = api.CudaKernel(case.op, library=libs[n])
             try:
                 status = check(kern, case, check_slots, expected, first, special)
-                ms = kb.time_ms(lambda: kern(**case.args), iters=50 if case.small else 5, repeats=args.repeats,
-                                graph=case.small)
             except RuntimeError as e:  # a candidate that cannot launch must not lose the others' rows
                 print(f"[sweep] {case.shape} {n}: {e}", flush=True)
                 rows.append(dict(shape=case.shape, candidate=n, design=CANDIDATES[n], check=f"launch failed: {e}"))
                 continue
-            gbps = case.nbytes / ms / 1e6
+            kerns[n] = (kern, status)
+        # all candidates of the case in one interleaved timing (drift hits them alike)
+        timings = kb.time_graphs({n: (lambda kern=kern: kern(**case.args)) for n, (kern, _) in kerns.items()},
+                                 calls=case.calls, rounds=args.rounds)
+        for n, (kern, status) in kerns.items():
+            t = timings[n]
+            gbps = case.nbytes / t.ms / 1e6
             rows.append(dict(shape=case.shape, candidate=n, design=CANDIDATES[n], gbps=round(gbps, 1),
-                             pct_ceiling=round(100 * gbps / ctx.copy_gbps, 2), us=round(ms * 1e3, 2), check=status))
+                             pct_ceiling=round(100 * gbps / ctx.copy_gbps, 2), us=round(t.ms * 1e3, 2),
+                             spread_pct=round(t.spread_pct, 2), samples_us=[round(x * 1e3, 3) for x in t.samples],
+                             check=status))
         print(f"[sweep] {case.shape}: {time.perf_counter() - t0:.1f} s", flush=True)
-        del case, expected, first, special
+        del case, expected, first, special, kerns, timings
         torch.cuda.empty_cache()
 
-    print(f"\n# reshape_and_cache sweep, {ctx.gpu}, copy ceiling {ctx.copy_gbps:.0f} GB/s "
-          f"(GB/s = bytes read + written; % of the ceiling; median us)\n")
+    print(f"\n# reshape_and_cache sweep, {ctx.gpu}, copy ceiling {ctx.copy_gbps:.0f} GB/s (GB/s = bytes read + "
+          f"written; % of the ceiling; median us of {args.rounds} interleaved graph replays; ± half the IQR in %)\n")
     print(table(rows, names, shapes))
     for r in rows:
         if r["check"] != "ok":
             print(f"! {r['candidate']} {short(r['shape'])}: {r['check']}")
     ranked = [n for n in names if n in libs and all(r["check"] == "ok" for r in rows if r["candidate"] == n)]
     big = {n: min(r["pct_ceiling"] for r in rows if r["candidate"] == n and r["shape"].startswith("T=32768")) for n in ranked}
+    for s in shapes:  # the column's best against the production choice
+        col = {r["candidate"]: r["pct_ceiling"] for r in rows if r["shape"] == s and r.get("check") == "ok"}
+        if col:
+            best = max(col, key=col.get)
+            print(f"best for {short(s)}: {best} {col[best]:.1f}% (default {col.get('default', float('nan')):.1f}%)")
     if big:
         best = max(big, key=big.get)
         print(f"\nbest by the smallest % over the T=32768 rows: {best} ({CANDIDATES[best] or 'production'}): {big[best]:.1f}%")

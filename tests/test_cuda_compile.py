@@ -86,6 +86,26 @@ def test_variants_compile_and_export_launchers(kind, arch):
     assert again.hit and again.path == res.path and again.seconds < 0.5
 
 
+def _sweep_candidates() -> dict:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import reshape_sweep
+
+    return reshape_sweep.CANDIDATES
+
+
+@pytest.mark.parametrize("name", [n for n, d in _sweep_candidates().items() if d])
+def test_reshape_sweep_candidates_compile(name, monkeypatch):
+    """Every design candidate of bench/reshape_sweep.py over the reshape_and_cache variant axes
+    (sm_90: the arch the sweep runs on; the knobs are read at render from UACOMPILE_RC_VARIANT)."""
+    from uacompile.targets.cuda.build import build
+
+    monkeypatch.setenv("UACOMPILE_RC_VARIANT", _sweep_candidates()[name])
+    assert build(CACHE_OP_VARIANTS["reshape_and_cache"], "sm_90").path.exists()
+
+
 def test_cache_key_follows_variant_and_arch():
     from uacompile.targets.cuda.build import build
 

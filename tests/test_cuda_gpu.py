@@ -154,6 +154,62 @@ def test_reshape_and_cache_friendly_function(rng):
         assert_bits_equal(to_numpy(d[name], want[name]), want[name], name)
 
 
+# ---------------------------------------------------------------- bench/reshape_sweep.py's design candidates
+RESHAPE_LARGE = [RESHAPE[0], RESHAPE[3], RESHAPE[7], RESHAPE[9], RESHAPE[11], RESHAPE[13], *RESHAPE_ROPE]
+
+
+def _sweep():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import reshape_sweep
+
+    return reshape_sweep
+
+
+@pytest.fixture(scope="module")
+def candidate_libraries():
+    """{candidate: library of RESHAPE + RESHAPE_ROPE built with its knobs} (parallel nvcc, one process each)."""
+    from uacompile.targets.cuda.build import default_arch
+
+    sweep = _sweep()
+    libs, failed = sweep.build_all([n for n in sweep.CANDIDATES if n != "default"], [*RESHAPE, *RESHAPE_ROPE], default_arch())
+    assert not failed, failed
+    return libs
+
+
+@pytest.fixture(scope="module")
+def reshape_references():
+    """(op, tokens) -> inputs and the reference's outputs, computed once for all candidates."""
+    rng = np.random.default_rng(20261130)
+    refs = {}
+    for op in RESHAPE + RESHAPE_ROPE:
+        for tokens in (257, 8192) if op in RESHAPE_LARGE else (257,):
+            num_pages = max(40 if tokens == 257 else 0, -(-2 * tokens // op.page_size))
+            inp = testing.reshape_and_cache_inputs(op, rng, tokens, num_pages, 5)
+            want = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inp.items()}
+            reference.reshape_and_cache(op, **{k: v for k, v in want.items() if not isinstance(v, int)})
+            refs[op, tokens] = inp, want
+    return refs
+
+
+@pytest.mark.parametrize("name", [n for n in _sweep().CANDIDATES if n != "default"])
+def test_reshape_sweep_candidates_match_reference(candidate_libraries, reshape_references, name):
+    """Every candidate of the sweep on the variant axes (dtypes, head sizes, pages, RoPE modes,
+    slot -1), small and big-task batches, as the production kernel is checked above."""
+    from uacompile.targets.cuda import api
+
+    for (op, tokens), (inp, want) in reshape_references.items():
+        dev = {k: to_torch(v) for k, v in inp.items() if isinstance(v, np.ndarray)}
+        api.CudaKernel(op, library=candidate_libraries[name])(**dev)
+        torch.cuda.synchronize()
+        try:
+            check_reshape(op, dev, want)
+        except AssertionError as e:
+            raise AssertionError(f"{name} {op} T={tokens}: {e}") from None
+
+
 # ---------------------------------------------------------------- copy_blocks / swap_blocks
 @pytest.mark.parametrize("op", COPY, ids=lambda o: f"{o.kv_dtype}-D{o.head_dim}-P{o.page_size}-H{o.num_kv_heads}")
 def test_copy_blocks_bit_exact(op, rng):

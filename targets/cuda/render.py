@@ -70,20 +70,21 @@ RC_DESIGN_ENV = "UACOMPILE_RC_VARIANT"  # reshape_and_cache design knobs of a bu
 def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
     """Template context; `design` overrides the tuned choices (bench/reshape_sweep.py builds
     candidates that way, in worker processes, through UACOMPILE_RC_VARIANT="rows=4,waves=0"):
-    rows (R heads per step; divides Hkv), steps (S steps per task; R*S divides Hkv), threads,
+    rows (R heads per step: the largest divisor of Hkv up to it), steps (S steps per task; R*S divides Hkv), threads,
     waves (grid cap in resident-block waves, 0 = one task per lane group), min_blocks
     (__launch_bounds__ minimum), stages (steps in flight through shared memory by cp.async; 0 =
     a register double buffer), fast_quant (0/1), neox ("paired" / "reload"), group (lanes per
     row: a power of two, at most the default; fewer lanes hold more vectors of the row each),
     quant ("classic" / "lean": the general quantisation path once per step, no division or
     reciprocal calls on the fast path), amax ("bits" / "packed": K and V rows' 16-bit maxima in one shuffle; with quant=lean),
-    prefetch (L2 prefetch of the rows this many tokens ahead; 0 = off)."""
+    prefetch (L2 prefetch of the rows this many tokens ahead; 0 = off), oneshot (0/1, with waves=0:
+    a warp's one round known at compile time, no next-task loads or loop-carried copies)."""
     import os
 
     if not design and os.environ.get(RC_DESIGN_ENV):
         design = dict(kv.split("=", 1) for kv in os.environ[RC_DESIGN_ENV].split(","))
     unknown = set(design) - {"rows", "steps", "threads", "waves", "min_blocks", "stages", "fast_quant", "neox",
-                             "group", "quant", "amax", "prefetch"}
+                             "group", "quant", "amax", "prefetch", "oneshot"}
     if unknown:
         raise ValueError(f"reshape_and_cache design: unknown knobs {sorted(unknown)}")
     # Production knobs of quantised caches without RoPE; a candidate's knobs override them.
@@ -108,7 +109,9 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
     # R: the largest divisor of Hkv with <= 2 vectors per lane and row (a step holds 2R rows, K
     # and V, and the pipeline two steps). S: RoPE computes its angles once per task, so a task
     # is the whole token; otherwise one step per task (finer work balance).
-    rows = int(design.get("rows", max(r for r in range(1, Hkv + 1) if Hkv % r == 0 and r * min(per_lane, 2) <= 2)))
+    # A rows knob is a cap: the largest divisor of Hkv not above it (one knob fits every head count).
+    row_cap = int(design.get("rows", Hkv))
+    rows = max(r for r in range(1, Hkv + 1) if Hkv % r == 0 and (r <= row_cap if "rows" in design else r * min(per_lane, 2) <= 2))
     steps = int(design.get("steps", Hkv // rows if op.rope else 1))
     # RoPE's float64 math holds ~75 registers: its steps in flight go through shared memory
     # instead (3 stages: 60 KB a block at R=2, 3 blocks an SM); cp.async moves >= 4 bytes
@@ -140,6 +143,7 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
         # persistent one-wave grid
         waves=int(design.get("waves", 0)), min_blocks=int(design.get("min_blocks", 0)),
         fast_quant=bool(int(design.get("fast_quant", 1))), quant=quant, amax=amax, prefetch=int(design.get("prefetch", 0)),
+        oneshot=bool(int(design.get("oneshot", 0))),
         quantized=op.quantized, rope=op.rope,
         rope_theta=op.rope_theta, inv_freq=inv_freq, rope_interleaved=op.rope_interleaved, rope_mode=mode)
 
