@@ -47,21 +47,11 @@ def time_graphs(fns: dict, calls: int = 20, rounds: int = 25) -> dict:
     do not count). Every round replays each graph once, in an order rotated by one per round,
     with no synchronisation inside a round, so clock, thermal and DRAM drift hits all of them
     alike and none always runs first. A sample is one replay's time per call; a Timing keeps
-    them all (median and spread). The warm-up runs on the capture stream (attention_bench.time_ms
-    says why)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graphs = {}
-    with torch.cuda.stream(stream):
-        for fn in fns.values():
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    for name, fn in fns.items():
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            for _ in range(calls):
-                fn()
-        graphs[name] = g
+    them all (median and spread). Each graph comes from api.capture_graph (warmed up on the
+    capture stream)."""
+    from uacompile.targets.cuda import api
+
+    graphs = {name: api.capture_graph([fn], calls) for name, fn in fns.items()}
     names = list(graphs)
     for n in names:  # one untimed replay each: first-replay costs (graph upload) stay out
         graphs[n].replay()
