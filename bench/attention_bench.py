@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tarfile
 import time
@@ -26,34 +25,20 @@ import torch.nn.functional as F
 from uacompile import ir
 from uacompile.targets.cuda import api, attention
 
+sys.path.insert(0, str(Path(__file__).parent))  # PYTHONSAFEPATH runs leave the script's folder out
+from timing import copy_ceiling_gbps, time_graphs, time_ms  # noqa: E402
+
 HQ, HKV, D, P = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 DECODE_SHAPES = [(8, 16384), (32, 4096), (128, 1024), (1, 32768)]
 PREFILL_SHAPES = [(8, 4096), (2, 16384)]
 L2_BYTES = 60 * 2**20
+ROUNDS = 11  # interleaved rounds per row group (timing.time_graphs)
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def op_of(**kw) -> ir.PagedAttention:
     return ir.PagedAttention(HQ, HKV, D, P, "bf16", "bf16", **kw)
-
-
-def time_ms(fns, calls_per_fn: int = 1, reps: int = 7) -> float:
-    """Median ms per call of fns (rotated), from CUDA graph replays (api.capture_graph: warmed up
-    on the capture stream; the session-4 table, timed with a default-stream warm-up, read its
-    first decode row ~10% below decode_sweep's timer, which already warmed up this way)."""
-    graph = api.capture_graph(fns, calls_per_fn)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (calls_per_fn * len(fns)))
-    return statistics.median(times)
 
 
 class PagedBatch:
@@ -114,13 +99,6 @@ def sdpa(q, k, v, causal: bool):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
-def copy_ceiling_gbps() -> float:
-    a = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = time_ms([lambda: b.copy_(a)], calls_per_fn=5)
-    return 2 * a.numel() / ms / 1e6
-
-
 COPY_GBPS = [0.0]  # the run's copy ceiling (bench/kernels.py measures it; else attention_rows does)
 
 
@@ -143,16 +121,20 @@ def decode_rows(gen, splits_sweep=(), unified=False) -> list[dict]:
         k, v = b0.contiguous_kv()
         want = sdpa(b0.q_bhld(), k, v, False).transpose(1, 2).reshape(b0.q.shape)
         auto = attention.choose_splits(op, B, B, L)
-        for splits in dict.fromkeys([auto, *splits_sweep]):
-            if splits > 1 and L // splits < 64:
-                continue
-            ms = time_ms([lambda b=b: attention.paged_attention(op, **b.args(), out=b.out, num_splits=splits)
-                          for b in batches], calls_per_fn=10)
+        kc = [b.contiguous_kv() for b in batches]
+        # ours at each split count and SDPA in one interleaved timing: the ratio is drift-free
+        fns = {s: [lambda b=b, s=s: attention.paged_attention(op, **b.args(), out=b.out, num_splits=s) for b in batches]
+               for s in dict.fromkeys([auto, *splits_sweep]) if s == 1 or L // s >= 64}
+        fns["sdpa"] = [lambda b=b, kv=kv: sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)]
+        timings = time_graphs(fns, calls=10, rounds=ROUNDS)
+        for splits in [s for s in fns if s != "sdpa"]:
+            b0.out.fill_(float("nan"))
+            attention.paged_attention(op, **b0.args(), out=b0.out, num_splits=splits)
             diff = (b0.out.float() - want.float()).abs().max().item()
             impl = f"ua splits={splits}" + (" (auto)" if splits == auto else "")
+            ms = timings[splits].ms
             rows.append(_row("decode", shape, impl, ms=ms, gbps=b0.kv_bytes / ms / 1e6, diff=diff))
-        kc = [b.contiguous_kv() for b in batches]
-        ms = time_ms([lambda b=b, kv=kv: sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)], calls_per_fn=10)
+        ms = timings["sdpa"].ms
         rows.append(_row("decode", shape, "torch SDPA contiguous", ms=ms, gbps=b0.kv_bytes / ms / 1e6))
         del kc, k, v
 
@@ -182,11 +164,13 @@ def prefill_rows(gen, shapes=PREFILL_SHAPES) -> list[dict]:
         shape = f"{B}x{L} causal"
         k, v = b.contiguous_kv()
         want = sdpa(b.q_bhld(), k, v, True)
-        ms = time_ms([lambda: attention.paged_attention(op, **b.args(), out=b.out, num_splits=1)], calls_per_fn=2)
+        t = time_graphs({"ua": lambda: attention.paged_attention(op, **b.args(), out=b.out, num_splits=1),
+                         "sdpa": lambda: sdpa(b.q_bhld(), k, v, True)}, calls=2, rounds=ROUNDS)
+        b.out.fill_(float("nan"))
+        attention.paged_attention(op, **b.args(), out=b.out, num_splits=1)
         diff = (b.out.view(B, L, HQ, D).transpose(1, 2).float() - want.float()).abs().max().item()
-        rows.append(_row("prefill", shape, "ua", ms=ms, tflops=flops / ms / 1e9, diff=diff))
-        ms = time_ms([lambda: sdpa(b.q_bhld(), k, v, True)], calls_per_fn=2)
-        rows.append(_row("prefill", shape, "torch SDPA contiguous", ms=ms, tflops=flops / ms / 1e9))
+        rows.append(_row("prefill", shape, "ua", ms=t["ua"].ms, tflops=flops / t["ua"].ms / 1e9, diff=diff))
+        rows.append(_row("prefill", shape, "torch SDPA contiguous", ms=t["sdpa"].ms, tflops=flops / t["sdpa"].ms / 1e9))
         del b, k, v, want
         torch.cuda.empty_cache()
     return rows
@@ -207,12 +191,11 @@ def mixed_rows(gen) -> list[dict]:
                 token_seq=torch.cat([chunk.token_seq, dec.token_seq + 2]), page_table=table,
                 token_kv_len=torch.cat([chunk.token_kv_len, dec.token_kv_len]))
     out = torch.empty_like(args["q"])
-    ms = time_ms([lambda: attention.paged_attention(op, **args, out=out)], calls_per_fn=5)
-    ms_p = time_ms([lambda: attention.paged_attention(op, **chunk.args(), out=chunk.out)], calls_per_fn=5)
-    ms_d = time_ms([lambda: attention.paged_attention(op, **dec.args(), out=dec.out)], calls_per_fn=5)
-    shape = "2x2048@8K + 64x1@4K"
-    return [_row("mixed", shape, "ua one launch", ms=ms), _row("mixed", shape, "ua prefill part alone", ms=ms_p),
-            _row("mixed", shape, "ua decode part alone", ms=ms_d)]
+    t = time_graphs({"ua one launch": lambda: attention.paged_attention(op, **args, out=out),
+                     "ua prefill part alone": lambda: attention.paged_attention(op, **chunk.args(), out=chunk.out),
+                     "ua decode part alone": lambda: attention.paged_attention(op, **dec.args(), out=dec.out)},
+                    calls=5, rounds=ROUNDS)
+    return [_row("mixed", "2x2048@8K + 64x1@4K", impl, ms=timing.ms) for impl, timing in t.items()]
 
 
 # ---------------------------------------------------------------- FlashInfer peer (JIT from its sdist)
@@ -331,8 +314,8 @@ def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None
     rows = []
     COPY_GBPS[0] = getattr(ctx, "copy_gbps", 0.0) or 0.0
     if not COPY_GBPS[0]:
-        COPY_GBPS[0] = copy_ceiling_gbps()
-        rows.append(_row("copy", "2 GiB d2d", "copy ceiling (read+write)", gbps=COPY_GBPS[0]))
+        COPY_GBPS[0] = copy_ceiling_gbps()[0]
+        rows.append(_row("copy", "1 GiB", "torch copy_ (ceiling)", gbps=COPY_GBPS[0]))
     rows += decode_rows(gen, sweep, unified=True)
     log(f"# decode done at {time.perf_counter() - t0:.1f} s")
     rows += prefill_rows(gen)

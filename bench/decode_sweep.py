@@ -116,6 +116,7 @@ def sweep_row(B: int, L: int, gen) -> list[dict]:
     auto = auto_splits(op, B, L)
     rows = []
     shape = f"{B}x{L}"
+    fns = {}
     for splits in split_counts(B, L, auto):
         for fused in ((True, False) if splits > 1 else (True,)):
             call = lambda b, s=splits, f=fused: attention.paged_attention(op, **b.args(), out=b.out, num_splits=s,  # noqa: E731
@@ -123,16 +124,17 @@ def sweep_row(B: int, L: int, gen) -> list[dict]:
             b0.out.fill_(float("nan"))
             call(b0)
             diff = (b0.out.float() - want).abs().max().item()  # NaN (an unwritten element) compares False
-            ok = diff <= TOLERANCE
-            ms = ab.time_ms([lambda b=b: call(b) for b in batches], calls)
             units = B * ab.HKV * splits
             rows.append(dict(shape=shape, impl="fused" if fused or splits == 1 else "two-launch", splits=splits,
-                             auto=splits == auto, units=units, waves=round(units / slots, 2), us=round(ms * 1e3, 2),
-                             gbps=round(kv_bytes / ms / 1e6, 1), max_diff=diff, ok=ok))
+                             auto=splits == auto, units=units, waves=round(units / slots, 2),
+                             max_diff=diff, ok=diff <= TOLERANCE))
+            fns[len(rows) - 1] = [lambda b=b, call=call: call(b) for b in batches]
     kc = [b.contiguous_kv() for b in batches]
-    ms = ab.time_ms([lambda b=b, kv=kv: ab.sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)], calls)
     rows.append(dict(shape=shape, impl="torch SDPA contiguous", splits=0, auto=False, units=0, waves=0.0,
-                     us=round(ms * 1e3, 2), gbps=round(kv_bytes / ms / 1e6, 1), max_diff=0.0, ok=True))
+                     max_diff=0.0, ok=True))
+    fns[len(rows) - 1] = [lambda b=b, kv=kv: ab.sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)]
+    for i, t in ab.time_graphs(fns, calls, rounds=ab.ROUNDS).items():  # every split and SDPA interleaved
+        rows[i].update(us=round(t.ms * 1e3, 2), gbps=round(kv_bytes / t.ms / 1e6, 1))
     del kc, batches, b0
     torch.cuda.empty_cache()
     return rows
@@ -161,7 +163,7 @@ def quantized_rows(gen) -> list[dict]:
         kv_bytes = 2 * B * L * ab.HKV * (ab.D + 4)  # 1-byte elements + a float scale per row
         auto = auto_splits(op, B, L)
         calls = replay_calls(kv_bytes)
-        want = None
+        want, fns = None, {}
         for splits in quantized_splits(op, B, L):
             for fused in ((True, False) if splits > 1 else (True,)):
                 call = lambda s=splits, f=fused: attention.paged_attention(op, **args, out=b.out, num_splits=s,  # noqa: E731
@@ -171,12 +173,13 @@ def quantized_rows(gen) -> list[dict]:
                 got = b.out.float()
                 want = got.clone() if want is None else want
                 diff = (got - want).abs().max().item()
-                ms = ab.time_ms([call], calls)
                 units = B * ab.HKV * splits
                 rows.append(dict(shape=f"{B}x{L} {kv_dtype}", impl="fused" if fused or splits == 1 else "two-launch",
                                  splits=splits, auto=splits == auto, units=units, waves=round(units / slots, 2),
-                                 us=round(ms * 1e3, 2), gbps=round(kv_bytes / ms / 1e6, 1), max_diff=diff,
-                                 ok=diff <= TOLERANCE))
+                                 max_diff=diff, ok=diff <= TOLERANCE))
+                fns[len(rows) - 1] = call
+        for i, t in ab.time_graphs(fns, calls, rounds=ab.ROUNDS).items():  # the row's split counts interleaved
+            rows[i].update(us=round(t.ms * 1e3, 2), gbps=round(kv_bytes / t.ms / 1e6, 1))
         del b, args, caches, want
         torch.cuda.empty_cache()
     return rows
@@ -250,6 +253,7 @@ def candidates_main(names: list[str], json_path: str | None, build_only: bool = 
         want = ab.sdpa(b0.q_bhld(), k, v, False).transpose(1, 2).reshape(b0.q.shape).float()
         del k, v
         shape = f"{B}x{L}"
+        fns = {}
         for n in names:
             if n in failed:
                 rows.append(dict(shape=shape, candidate=n, splits=splits, ok=False, check=failed[n]))
@@ -259,14 +263,14 @@ def candidates_main(names: list[str], json_path: str | None, build_only: bool = 
             b0.out.fill_(float("nan"))
             call(b0)
             diff = (b0.out.float() - want).abs().max().item()  # NaN (an unwritten element) compares False
-            ms = ab.time_ms([lambda b=b: call(b) for b in batches], calls)
-            rows.append(dict(shape=shape, candidate=n, splits=splits, us=round(ms * 1e3, 2),
-                             gbps=round(b0.kv_bytes / ms / 1e6, 1), max_diff=diff, ok=diff <= TOLERANCE,
+            rows.append(dict(shape=shape, candidate=n, splits=splits, max_diff=diff, ok=diff <= TOLERANCE,
                              check="ok" if diff <= TOLERANCE else f"max diff {diff:.3g} vs SDPA"))
+            fns[len(rows) - 1] = [lambda b=b, call=call: call(b) for b in batches]
         kc = [b.contiguous_kv() for b in batches]
-        ms = ab.time_ms([lambda b=b, kv=kv: ab.sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)], calls)
-        rows.append(dict(shape=shape, candidate="torch SDPA contiguous", splits=0, us=round(ms * 1e3, 2),
-                         gbps=round(b0.kv_bytes / ms / 1e6, 1), ok=True, check="ok"))
+        rows.append(dict(shape=shape, candidate="torch SDPA contiguous", splits=0, ok=True, check="ok"))
+        fns[len(rows) - 1] = [lambda b=b, kv=kv: ab.sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)]
+        for i, t in ab.time_graphs(fns, calls, rounds=ab.ROUNDS).items():  # candidates and SDPA interleaved
+            rows[i].update(us=round(t.ms * 1e3, 2), gbps=round(b0.kv_bytes / t.ms / 1e6, 1))
         del kc, batches, b0
         torch.cuda.empty_cache()
         print(f"# {shape} done at {time.perf_counter() - t0:.1f} s", flush=True)

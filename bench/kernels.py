@@ -5,7 +5,7 @@
 Rows are dicts {op, shape, impl, gbps | tflops | ms, note?}. Bandwidth counts the bytes a
 kernel must move (each input read once, each output written once) over its median time
 (CUDA events, warmed up; reshape_and_cache rows and small shapes are timed as CUDA-graph
-replays of many calls, reshape_and_cache's impls interleaved round by round: time_graphs).
+replays of many calls, the impls of a row group interleaved round by round: bench/timing.py).
 Cache ops are compared with the device copy ceiling (a 1 GiB torch copy_) and torch index
 copies; swap with one pinned cudaMemcpy of the same bytes and with per-block copies (vLLM's
 swap_blocks does one memcpy per block). Build rows: nvcc cold build and cached load (a
@@ -34,63 +34,13 @@ from uacompile import ir
 
 sys.path.insert(0, str(Path(__file__).parent))
 import attention_bench  # noqa: E402
+from timing import copy_ceiling_gbps, time_graphs  # noqa: E402
 from attention_bench import spin_up_clocks  # noqa: E402
 
 GB = 1e9
 
 
 # ---------------------------------------------------------------- timing
-def time_graphs(fns: dict, calls: int = 20, rounds: int = 25) -> dict:
-    """Interleaved CUDA-graph timing of several functions: {name: Timing}.
-
-    Each fn is captured `calls` times back to back into one CUDA graph (launch gaps and Python
-    do not count). Every round replays each graph once, in an order rotated by one per round,
-    with no synchronisation inside a round, so clock, thermal and DRAM drift hits all of them
-    alike and none always runs first. A sample is one replay's time per call; a Timing keeps
-    them all (median and spread). Each graph comes from api.capture_graph (warmed up on the
-    capture stream)."""
-    from uacompile.targets.cuda import api
-
-    graphs = {name: api.capture_graph([fn], calls) for name, fn in fns.items()}
-    names = list(graphs)
-    for n in names:  # one untimed replay each: first-replay costs (graph upload) stay out
-        graphs[n].replay()
-    torch.cuda.synchronize()
-    samples = {n: [] for n in names}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        events = []
-        for n in order:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graphs[n].replay()
-            b.record()
-            events.append((n, a, b))
-        events[-1][2].synchronize()
-        for n, a, b in events:
-            samples[n].append(a.elapsed_time(b) / calls)
-    del graphs
-    return {n: Timing(samples[n]) for n in names}
-
-
-@dataclass
-class Timing:
-    """Samples of ms per call; median and the interquartile spread in % of the median."""
-
-    samples: list
-
-    @property
-    def ms(self) -> float:
-        return statistics.median(self.samples)
-
-    @property
-    def spread_pct(self) -> float:
-        if len(self.samples) < 4:
-            return 100 * (max(self.samples) - min(self.samples)) / self.ms
-        q1, _, q3 = statistics.quantiles(self.samples, n=4)
-        return 100 * (q3 - q1) / self.ms
-
-
 def time_ms(fn, iters: int = 20, repeats: int = 5, warmup: int = 3, graph: bool = False) -> float:
     """Median over `repeats` of the mean time of `iters` back-to-back calls (CUDA events).
     graph=True times replays of one CUDA graph of the `iters` calls (time_graphs), so Python
@@ -130,12 +80,7 @@ def row(op, shape, impl, **metric) -> dict:
 
 
 def copy_ceiling(ctx: BenchContext) -> list[dict]:
-    n = 1 << 30
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), iters=10)
-    ctx.copy_gbps = 2 * n / ms / 1e6
-    del src, dst
+    ctx.copy_gbps, ms = copy_ceiling_gbps()
     return [row("copy", "1 GiB", "torch copy_ (ceiling)", gbps=ctx.copy_gbps, ms=ms)]
 
 

@@ -4,7 +4,9 @@ that the 8-warp decode blocks of each variant keep their speed. Run on the devic
 
     python bench/prefill_sweep.py [--tiles 64x6,128x3:-DFLAG] [--decode] [--json PATH]
 
-A tile may carry extra nvcc flags after a colon (the template's experiment switches).
+A tile may carry extra nvcc flags after a colon (the template's experiment switches). Each
+prefill row is timed interleaved with torch SDPA on the same data (timing.time_graphs), and its
+ratio to that SDPA timing is the number to compare across tiles: drift between tiles cancels.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # PYTHONSAFEPATH runs leave the script's folder out
-from attention_bench import D, DECODE_SHAPES, PREFILL_SHAPES, PagedBatch, op_of, sdpa, time_ms
+from attention_bench import D, DECODE_SHAPES, PREFILL_SHAPES, ROUNDS, PagedBatch, op_of, sdpa, time_ms
+from timing import time_graphs
 from uacompile.targets.cuda import api, attention
 
 
@@ -39,11 +42,8 @@ def main():
     shapes = [tuple(int(x) for x in t.split("x")) for t in a.shapes.split(",")]
     batches = {(B, L): PagedBatch(B, L, L, gen) for B, L in shapes}
     for (B, L), b in batches.items():
-        k, v = b.contiguous_kv()
-        b.want = sdpa(b.q_bhld(), k, v, True)
-        ms = time_ms([lambda: sdpa(b.q_bhld(), k, v, True)], calls_per_fn=2)
-        rows.append(dict(shape=f"{B}x{L} causal", impl="torch SDPA contiguous", ms=ms, tflops=4 * B * L * L / 2 * 32 * D / ms / 1e9))
-        del k, v
+        b.kv = b.contiguous_kv()
+        b.want = sdpa(b.q_bhld(), *b.kv, True)
     for bn, stages, flags in tiles:
         attention.WG_TILE[D] = (bn, stages)
         os.environ["UACOMPILE_NVCC_FLAGS"] = flags
@@ -51,12 +51,18 @@ def main():
         t0 = time.perf_counter()
         api.kernel(op)
         built = time.perf_counter() - t0
+        impl = f"ua wgmma {bn}x{stages}{' ' + flags if flags else ''}"
         for (B, L), b in batches.items():
+            flops = 4 * B * L * L / 2 * 32 * D
+            t = time_graphs({"ua": lambda: attention.paged_attention(op, **b.args(), out=b.out, num_splits=1),
+                             "sdpa": lambda: sdpa(b.q_bhld(), *b.kv, True)}, calls=2, rounds=ROUNDS)
             b.out.fill_(float("nan"))
-            ms = time_ms([lambda: attention.paged_attention(op, **b.args(), out=b.out, num_splits=1)], calls_per_fn=2)
+            attention.paged_attention(op, **b.args(), out=b.out, num_splits=1)
             diff = (b.out.view(B, L, 32, D).transpose(1, 2).float() - b.want.float()).abs().max().item()
-            rows.append(dict(shape=f"{B}x{L} causal", impl=f"ua wgmma {bn}x{stages}{' ' + flags if flags else ''}", ms=ms,
-                             tflops=4 * B * L * L / 2 * 32 * D / ms / 1e9, diff=diff, build_s=round(built, 2)))
+            rows.append(dict(shape=f"{B}x{L} causal", impl=f"torch SDPA contiguous (beside {impl})", ms=t["sdpa"].ms,
+                             tflops=flops / t["sdpa"].ms / 1e9))
+            rows.append(dict(shape=f"{B}x{L} causal", impl=impl, ms=t["ua"].ms, tflops=flops / t["ua"].ms / 1e9,
+                             vs_sdpa=round(t["sdpa"].ms / t["ua"].ms, 3), diff=diff, build_s=round(built, 2)))
             print(rows[-1], flush=True)
         if a.decode:
             for B, L in DECODE_SHAPES:
@@ -67,9 +73,11 @@ def main():
                                  gbps=d.kv_bytes / ms / 1e6))
                 print(rows[-1], flush=True)
                 del d
-    print(f"\n{torch.cuda.get_device_name()}\n| shape | impl | ms | TFLOP/s | GB/s | max abs diff vs SDPA |\n|---|---|---|---|---|---|")
+    print(f"\n{torch.cuda.get_device_name()}\n| shape | impl | ms | TFLOP/s | GB/s | x SDPA (same timing) | max abs diff vs SDPA |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['impl']} | {r['ms']:.4f} | {r.get('tflops', 0):.0f} | {r.get('gbps', 0):.0f} | {r.get('diff', '')} |")
+        print(f"| {r['shape']} | {r['impl']} | {r['ms']:.4f} | {r.get('tflops', 0):.0f} | {r.get('gbps', 0):.0f} | "
+              f"{r.get('vs_sdpa', '')} | {r.get('diff', '')} |")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), indent=1))
 

@@ -223,6 +223,7 @@ def main(argv=None) -> int:
         return 2
     sys.path.insert(0, str(BENCH_DIR))
     import kernels as kb
+    from timing import time_graphs
 
     args.rounds = args.rounds or kb.RESHAPE_ROUNDS
 
@@ -263,7 +264,7 @@ def main(argv=None) -> int:
                 continue
             kerns[n] = (kern, status)
         # all candidates of the case in one interleaved timing (drift hits them alike)
-        timings = kb.time_graphs({n: (lambda kern=kern: kern(**case.args)) for n, (kern, _) in kerns.items()},
+        timings = time_graphs({n: (lambda kern=kern: kern(**case.args)) for n, (kern, _) in kerns.items()},
                                  calls=case.calls, rounds=args.rounds)
         for n, (kern, status) in kerns.items():
             t = timings[n]

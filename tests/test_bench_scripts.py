@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py"))
+SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if "__main__" in p.read_text())  # timing.py is a module
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -74,3 +74,20 @@ def test_rerender_rebuilds_the_report_from_a_json(tmp_path):
     assert meta["rows"] == json.loads(src.read_text())["rows"] and meta["targets"]
     md = (tmp_path / "kernels-2026-11-30.md").read_text()
     assert "## Targets" in md and "| decode GB/s >= 3800 | 1x32768 |" in md
+
+
+@pytest.mark.gpu
+def test_interleaved_timer_times_each_implementation(monkeypatch):
+    """timing.time_graphs: a sample a round for each name; a list of fns counts per fn call; the
+    longer work reads longer (a 4x bigger copy takes more time per call)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    timing = importlib.import_module("timing")
+    small, big = torch.randn(1 << 22, device="cuda"), torch.randn(1 << 24, device="cuda")
+    out_s, out_b = torch.empty_like(small), torch.empty_like(big)
+    t = timing.time_graphs({"small": [lambda: out_s.copy_(small)] * 2, "big": lambda: out_b.copy_(big)},
+                           calls=3, rounds=5)
+    assert set(t) == {"small", "big"} and all(len(x.samples) == 5 for x in t.values())
+    assert 0 < t["small"].ms < t["big"].ms and t["small"].spread_pct >= 0
+    assert torch.equal(out_b, big)

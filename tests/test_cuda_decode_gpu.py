@@ -364,19 +364,32 @@ def test_split_rule_on_the_bench_rows(T, L, want, arch):
     assert attention.choose_splits(PA(32, 8, 128, 16, "bf16", "bf16"), T, T, L, arch=arch) == want
 
 
+# the fastest fused split count of each row in the H200 decode_sweep --extra table (session 5)
+@pytest.mark.parametrize("T, L, fastest", [(12, 16384, 8), (20, 8192, 8), (16, 8192, 2), (4, 16384, 8),
+                                           (2, 32768, 16), (64, 2048, 1), (8, 16384, 4), (1, 32768, 32)])
+def test_split_rule_takes_the_measured_fastest(T, L, fastest):
+    assert attention.choose_splits(PA(32, 8, 128, 16, "bf16", "bf16"), T, T, L, arch="sm_90") == fastest
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # Hopper: 2 decode groups a block; else 2 blocks a SM
-@pytest.mark.parametrize("T", [1, 2, 3, 5, 8, 12, 16, 20, 24, 30])
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 8, 12, 16, 20, 24, 30, 48, 100])
 @pytest.mark.parametrize("L", [1024, 4096, 16384, 65536])
 def test_split_rule_fills_waves_and_keeps_splits_long(T, L, arch):
     op = PA(32, 8, 128, 16, "bf16", "bf16")
     lay = attention.layout(op, arch)
     slots = attention.H200_SMS * lay.blocks_per_sm * lay.decode_groups  # decode groups the GPU holds
+    items = T * op.num_kv_heads
+
+    def fill(s):  # share of the waves' slots that (token, KV head, split) units take
+        return items * s / (-(-items * s // slots) * slots)
+
     s = attention.choose_splits(op, T, T, L, arch=arch)
-    units = T * op.num_kv_heads * s  # (token, KV head, split) items
     assert 1 <= s <= attention.MAX_SPLITS and (s == 1 or L // s >= attention.MIN_SPLIT_LEN)
     assert s == 1 or s % lay.decode_groups == 0  # no idle decode group
-    assert units <= 2 * slots  # at most two waves
-    if units > slots:  # a second wave only for long splits, and only where one wave leaves slots idle
-        assert -(-L // s) * 2 * op.head_dim * 2 >= attention.TWO_WAVE_BYTES
-        one_wave = max(1, slots // (T * op.num_kv_heads))
-        assert T * op.num_kv_heads * one_wave < attention.FULL_WAVE * slots
+    if items >= attention.MANY_WAVES * slots:
+        assert s == 1
+        return
+    allowed = [c for c in range(1, min(attention.MAX_SPLITS, L // attention.MIN_SPLIT_LEN) + 1)
+               if c == 1 or c % lay.decode_groups == 0]
+    good = max(fill(c) for c in allowed) - attention.WAVE_FILL_SLACK
+    assert fill(s) >= good and all(fill(c) < good for c in allowed if c < s)  # near-best fill, fewest splits

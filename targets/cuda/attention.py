@@ -29,8 +29,9 @@ WG_TILE = {128: (128, 3), 64: (128, 6)}
 DECODE_TILE = 16  # K/V positions per warp tile in decode blocks
 MIN_SPLIT_LEN = 256  # a split shorter than this spends more on its merge than it gains
 MAX_SPLITS = 64
-FULL_WAVE = 0.9  # a grid covering this share of the GPU's resident block slots keeps every SM streaming
-TWO_WAVE_BYTES = 1 << 20  # K+V bytes a split must stream to be worth a second wave of blocks
+FULL_WAVE = 0.9  # prefill: items covering this share of the resident block slots keep every SM busy
+WAVE_FILL_SLACK = 0.05  # decode: the fewest splits whose waves are within this of the best fill
+MANY_WAVES = 4  # decode: items filling this many waves already leave little idle at the end
 SMEM_PER_SM = 228 * 1024  # H100 / H200 (sm_90); 1 KB of it is reserved per block
 H200_SMS = 132
 
@@ -183,18 +184,17 @@ def choose_splits(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_
 
     Work items = blocks of one split: decode tokens (at most one per sequence) or prefill
     tiles, times KV heads; slots = items the GPU runs at once (resident blocks, times their
-    decode groups on the Hopper path). Fill whole waves and keep splits long:
-    - no split when the items already cover FULL_WAVE of the slots: splitting would only add
-      block starts and partial traffic (32 x 4096 and 128 x 1024 stay at 1);
-    - else fill w waves: up to w * slots // items splits; of the counts that give a block the
-      same number of 64-position tile rounds per warp (its duration), the fewest (less merge
-      work: 1 x 32768 takes 32 splits, not 33);
-    - two waves rather than one only when one wave leaves slots idle (< FULL_WAVE), two fill
-      them better, and each split still streams >= TWO_WAVE_BYTES of K+V (a block start per
-      slot more, which a long split amortises). 8 x 16384 takes one wave of 4 splits: on the
-      H200 (graph-replay harness, three runs) 4 splits ran 3744-3822 GB/s and 8 splits
-      3673-3757. Session 2 had chosen 8 from kernels.py rows whose 4-split reading was the
-      table's first row, which that harness read ~10% low.
+    decode groups on the Hopper path). Items of one split count take the same time, so they
+    run in waves, and the last wave's empty slots are idle bandwidth: the wave fill of s splits
+    is units / (waves * slots). The rule takes the fewest splits whose fill is within
+    WAVE_FILL_SLACK of the best any count reaches (more splits: more block starts and merge
+    traffic). H200 decode_sweep --extra (graph replay, session 5; GB/s by splits, fill):
+    12 x 16384 2 (0.73) 3323, 4 (0.73) 3411, **8 (0.97) 3785**, 16 (0.97) 3630; 20 x 8192
+    1 (0.61) 3047, 4 (0.81) 3413, **8 (0.97) 3608**, 16 (0.97) 3355; 8 x 16384 **4 (0.97)
+    3808**, 8 (0.97) 3757. (Session 4's rule, a second wave only for splits of >= 1 MiB, took
+    2 and 1 splits on the first two.)
+    - No split for prefill items covering FULL_WAVE of the slots (causal tiles differ in
+      length, so waves blur), nor for decode items filling MANY_WAVES waves (128 x 1024 at 3.88).
     Never a split shorter than MIN_SPLIT_LEN positions or more than MAX_SPLITS; on the Hopper path,
     whose blocks run two decode groups on consecutive splits, an even count.
     """
@@ -207,31 +207,18 @@ def choose_splits(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_
     tile_tokens = lay.prefill_rows // op.group_size
     items = (min(num_tokens, num_seqs) if decode_like else -(-num_tokens // tile_tokens)) * op.num_kv_heads
     slots = num_sms * lay.blocks_per_sm * (lay.decode_groups if decode_like else 1)
-    if items >= FULL_WAVE * slots:
+    if items >= (MANY_WAVES if decode_like else FULL_WAVE) * slots:
         return 1
     limit = min(MAX_SPLITS, max(1, max_kv_len // MIN_SPLIT_LEN))
-
     groups = lay.decode_groups if decode_like else 1  # a block's decode groups take consecutive splits
+    counts = [s for s in range(1, limit + 1) if s == 1 or s % groups == 0]
 
-    def units(s: int) -> int:  # (item, split) slots the grid takes: an odd count idles a group
-        return items * (s if s == 1 else -(-s // groups) * groups)
+    def fill(s: int) -> float:  # share of the waves' slots the (item, split) units take
+        units = items * (s if s == 1 else -(-s // groups) * groups)
+        return units / (-(-units // slots) * slots)
 
-    def rounds(s: int) -> int:  # tile rounds of a block's busiest warp: its duration
-        return -(-(-(-max_kv_len // s)) // (WARPS * DECODE_TILE))
-
-    def filling(waves: int) -> tuple[int, float]:  # (splits, share of the waves' slots they fill)
-        most = max(1, min(limit, waves * slots // items))
-        most -= most % groups if most > groups else 0
-        s = min(s for s in range(1, most + 1) if (s == 1 or s % groups == 0) and rounds(s) == rounds(most))
-        return s, units(s) / (waves * slots)
-
-    one, fill_one = filling(1)
-    two, fill_two = filling(2)
-    kv_bytes = 2 * op.head_dim * ir.itemsize(op.kv_dtype) + (8 if op.quantized else 0)  # per position, K+V
-    long_splits = -(-max_kv_len // two) * kv_bytes >= TWO_WAVE_BYTES
-    if units(two) > slots and long_splits and fill_one < FULL_WAVE and fill_two > fill_one:
-        return two
-    return one
+    best = max(fill(s) for s in counts)
+    return next(s for s in counts if fill(s) >= best - WAVE_FILL_SLACK)
 
 
 # ---------------------------------------------------------------- the call function

@@ -1,0 +1,76 @@
+"""The one GPU timer of the bench scripts: interleaved CUDA-graph replays.
+
+Each function is captured `calls` times back to back into one CUDA graph (api.capture_graph:
+warmed up on the capture stream first), so launch gaps and Python do not count. Every round
+replays each graph once, in an order rotated by one per round, with no synchronisation inside a
+round: clock, power and DRAM drift hit every implementation of a row alike and none always runs
+first. This is why ratios against peers are taken from one time_graphs call: timed one after
+the other, the same kernel read up to 10% apart (session 4's first-row dip, session 5's
+prefill_sweep rows).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Timing:
+    """Samples of ms per call; median and the interquartile spread in % of the median."""
+
+    samples: list
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def spread_pct(self) -> float:
+        if len(self.samples) < 4:
+            return 100 * (max(self.samples) - min(self.samples)) / self.ms
+        q1, _, q3 = statistics.quantiles(self.samples, n=4)
+        return 100 * (q3 - q1) / self.ms
+
+
+def time_graphs(fns: dict, calls: int = 20, rounds: int = 25) -> dict:
+    """{name: Timing} for {name: fn or list of fns}; a list's fns (e.g. the same call on rotating
+    input copies, so that L2 does not hold them) run in turn, and a sample is ms per fn call."""
+    from uacompile.targets.cuda import api
+
+    lists = {name: (fn if isinstance(fn, (list, tuple)) else [fn]) for name, fn in fns.items()}
+    graphs = {name: api.capture_graph(fl, calls) for name, fl in lists.items()}
+    names = list(graphs)
+    for n in names:  # one untimed replay each: first-replay costs (graph upload) stay out
+        graphs[n].replay()
+    torch.cuda.synchronize()
+    samples = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        events = []
+        for n in order:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graphs[n].replay()
+            b.record()
+            events.append((n, a, b))
+        events[-1][2].synchronize()
+        for n, a, b in events:
+            samples[n].append(a.elapsed_time(b) / (calls * len(lists[n])))
+    del graphs
+    return {n: Timing(samples[n]) for n in names}
+
+
+def time_ms(fns, calls_per_fn: int = 1, reps: int = 7) -> float:
+    """Median ms per call of one implementation (a fn or a list of fns) on its own."""
+    return time_graphs({"": fns}, calls=calls_per_fn, rounds=reps)[""].ms
+
+
+def copy_ceiling_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
+    """(GB/s, ms) of one device-to-device torch copy_ of nbytes (read + written): the ceiling the
+    bandwidth rows are read against. The source is random (no compressible zeros)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), calls_per_fn=10)
+    return 2 * nbytes / ms / 1e6, ms
