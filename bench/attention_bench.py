@@ -301,12 +301,12 @@ def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None
     # build every variant the rows use, in parallel, before any timing
     from concurrent.futures import ThreadPoolExecutor
 
-    ops = [op_of(), op_of(variant="unified_masked")]
+    ops = [attention.launched_op(op_of(), 1), op_of(variant="unified_masked")]
     sweep = () if quick else (1, 2, 4, 8, 16, 32, 48)
     for B, L in DECODE_SHAPES:
         for s in {attention.choose_splits(op_of(), B, B, L), *sweep}:
             if s > 1:
-                ops.append(op_of(num_splits=s, fused_merge=True))  # what paged_attention() launches
+                ops.append(attention.launched_op(op_of(), s))  # what paged_attention() launches (the knobs' op)
     with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
         list(pool.map(api.kernel, ops))
     log(f"# built {len(ops)} attention variants in {time.perf_counter() - t0:.1f} s")

@@ -52,6 +52,7 @@ def test_attention_tile_is_the_largest_that_fits():
     (lambda: PagedAttention(4, 4, 64, 16, kv_dtype="fp8_e4m3"), "kv_dtype"),
     (lambda: PagedAttention(4, 4, 64, 16, variant="unified_masked"), "variant"),
     (lambda: PagedAttention(4, 4, 64, 16, num_splits=2, fused_merge=True), "fused_merge"),
+    (lambda: PagedAttention(4, 4, 64, 16, item_queue=True), "item_queue"),
     (lambda: PagedAttention(64, 1, 2048, 16, q_dtype="fp32", kv_dtype="fp32"), "head_dim"),  # over the UB
     (lambda: ReshapeAndCache(4, 64, 16, rope=True), "rope"),
     (lambda: ReshapeAndCache(4, 20, 16, kv_dtype="int8"), "head_dim"),

@@ -1,12 +1,21 @@
 """The Hopper prefill path (wgmma + TMA, templates/cuda/attention_wgmma.cuh.j2) against the
 float64 reference on the GPU, over the shapes that stress it: long prompts (many tiles, the TMA
 stages wrap around), chunks that start mid-sequence, many short sequences sharing one 64-row
-tile (the stage barriers' phases carry across runs), and mixed ubatches. CPU tests below check
+tile (the stage barriers' phases carry across runs), and mixed ubatches. With item_queue (the
+dynamic schedule, bench/NOTES-attention.md v17) min(items, SMs) persistent prefill blocks take
+(tile, KV head, split group) items from an atomic queue behind every decode block of a 1-D grid;
+further cases make every block take several items (the token-window ring and the stage tickets
+carry across items), a very uneven ubatch (one 16K prompt and many short ones), split-KV with the
+fused merge per item, mixed ubatches whose decode blocks fill several waves, graph replays and two
+streams; each checks that the queue is zero again after the launch, and the big cases that the
+dynamic schedule gives bit for bit what the static one (one item a block) does. CPU tests below check
 which variants take the path and that both archs render what they should.
 """
 from __future__ import annotations
 
+import zlib
 
+import numpy as np
 import pytest
 from cuda_helpers import cuda_api_with
 
@@ -14,7 +23,8 @@ from uacompile import ir, testing
 from uacompile.targets.cuda import attention
 from uacompile.targets.cuda.render import SM90A_MARKER, render_op
 
-from test_cuda_attention_gpu import MIXED, check_close, reference_of, run_kernel, tol_of
+from test_cuda_attention_gpu import MIXED, check_close, device_inputs, reference_of, run_kernel, to_dev, tol_of
+from test_cuda_decode_gpu import check_outputs, fused
 
 torch = pytest.importorskip("torch")
 
@@ -36,11 +46,36 @@ SHAPES = {
 }
 
 
+# the dynamic schedule: ops (with lse) for the many-item, split-KV and mixed cases; D 128 runs 3 TMA stages,
+# D 64 six; G 3 makes 42-token tiles, G 1 128-token ones (the largest token windows). The mixed, graph and
+# stream cases take D 64 (a quarter of the reference's work).
+DYNAMIC = {
+    "bf16-d128-g4-p16": WG_CASES["bf16-d128-g4-p16"].replace(return_lse=True),
+    "fp16-d64-g4-p16": WG_CASES["fp16-d64-g4-p16"].replace(return_lse=True),
+    "fp16-d128-g3-p32": WG_CASES["fp16-d128-g3-p32-lse"],
+    "bf16-d128-g1-p8": WG_CASES["bf16-d128-g1-p8"].replace(return_lse=True),
+}
+DYNAMIC_SPLITS = (3, 16)  # 3: a split group of one split (odd count); 16: 8 split groups an item
+SMALL = DYNAMIC["fp16-d64-g4-p16"]
+PRODUCTION = DYNAMIC["bf16-d128-g4-p16"]  # the benchmarks' shape: also built static, for bit-for-bit comparisons
+
+
+def dyn(op):
+    return op.replace(item_queue=True)
+
+
+def _all_ops():
+    """Every op the module launches (paged_attention() included), built at once: 10 beside WG_CASES."""
+    ops = list(WG_CASES.values()) + [dyn(op) for op in DYNAMIC.values()] + [PRODUCTION, fused(PRODUCTION, 3)]
+    ops += [dyn(fused(op, s)) for op in (PRODUCTION, SMALL) for s in DYNAMIC_SPLITS]
+    return list(dict.fromkeys(ops))
+
+
 @pytest.fixture(scope="module")
 def api():
     if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma path is for sm_90")
-    return cuda_api_with(WG_CASES.values())
+    return cuda_api_with(_all_ops())
 
 
 @pytest.mark.gpu
@@ -61,6 +96,232 @@ def test_wgmma_prefill_matches_reference(api, rng, name, shape):
         check_close(f"{name}.lse", outs["lse"], ref_lse, 2 * tol)
 
 
+# ---------------------------------------------------------------- the dynamic schedule (item_queue)
+def num_sms():
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+_cases: dict = {}
+
+
+def cached_case(key, op, make_lens, reference_of_all=True):
+    """(inputs, reference (out, lse) or None) of one shape, drawn once per module (fixed seed): the
+    split counts of a case share its unsplit reference, the slow part."""
+    if key not in _cases:
+        rng = np.random.default_rng(zlib.crc32(key.encode()))
+        inputs = testing.attention_inputs(op, rng, *make_lens(rng))
+        ref = reference_of(op.replace(num_splits=1, fused_merge=False), inputs) if reference_of_all else None
+        _cases[key] = inputs, ref
+    return _cases[key]
+
+
+def launch(api, op, inputs, queue=None, counters=None):
+    """One launch of op on poisoned outputs (out and lse, or the partials): {name: tensor}, with
+    the item queue and split counters it ran on (fresh zeros unless given)."""
+    dev = device_inputs(op, inputs)
+    T = inputs["num_tokens"]
+    outs = {p.name: torch.full([T if d == "num_tokens" else d for d in p.shape], float("nan"),
+                               dtype=torch.float32 if p.dtype == "fp32" else dev["q"].dtype, device="cuda")
+            for p in op.tensors() if p.role == "out"}
+    if op.item_queue:
+        outs["item_queue"] = torch.zeros(2, dtype=torch.int32, device="cuda") if queue is None else queue
+    if op.fused_merge:
+        outs["split_counters"] = (torch.zeros((T, op.num_kv_heads), dtype=torch.int32, device="cuda")
+                                  if counters is None else counters)
+    api.kernel(op)(**dev, **outs)
+    torch.cuda.synchronize()
+    assert not outs.get("item_queue", torch.zeros(1)).any(), "the item queue must be zero after the launch"
+    assert not outs.get("split_counters", torch.zeros(1)).any(), "the split counters must be zero after the launch"
+    return outs
+
+
+def check_case(name, op, outs, ref):
+    tol = tol_of(op)
+    check_close(f"{name}.out", outs["out"], ref[0], tol)
+    if "lse" in outs:
+        check_close(f"{name}.lse", outs["lse"], ref[1], 2 * tol)
+
+
+def assert_same(name, got, want):
+    """Bit for bit: an item computes the same whichever block takes it, and the merge reads the
+    splits in one order."""
+    for k in want:
+        if k not in ("item_queue", "split_counters"):
+            assert torch.equal(got[k].view(torch.int32 if got[k].element_size() == 4 else torch.int16),
+                               want[k].view(torch.int32 if want[k].element_size() == 4 else torch.int16)), f"{name}.{k} differs"
+
+
+def prompts_for_items(op, blocks_items: int):
+    """kv_lens, q_lens of short whole prompts and a last chunk (the end of a longer sequence) with
+    enough tokens that the launch has blocks_items prefill items a persistent block."""
+    def make(rng):
+        kv_lens, q_lens = [], []
+        while attention.prefill_items(op, sum(q_lens)) < blocks_items * num_sms():
+            n = int(rng.integers(20, 200))
+            kv_lens.append(n), q_lens.append(n)
+        kv_lens[-1] += 150
+        return kv_lens, q_lens
+    return make
+
+
+def many_decodes_mixed(decodes: int, prompts=(300, 64), chunk=(500, 150)):
+    """`decodes` lone tokens (kv 1..600) around whole prompts and a chunk (kv, q): kv_lens, q_lens."""
+    def make(rng):
+        kv = rng.integers(1, 600, size=decodes).tolist()
+        half = decodes // 2
+        return (kv[:half] + [*prompts, chunk[0]] + kv[half:],
+                [1] * half + [*prompts, chunk[1]] + [1] * (decodes - half))
+    return make
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(DYNAMIC))
+def test_dynamic_blocks_take_several_items(api, name):
+    """At least 3 items a block: each block reuses both token-window slots, and its producers' tile
+    tickets (and the stages' barrier phases) run on across items and runs; the same bits as one
+    item a block."""
+    op = DYNAMIC[name]
+    inputs, ref = cached_case(f"items/{name}", op, prompts_for_items(op, 3))
+    assert attention.prefill_items(op, inputs["num_tokens"]) >= 3 * num_sms()
+    outs = launch(api, dyn(op), inputs)
+    check_case(name, op, outs, ref)
+    if op == PRODUCTION:
+        assert_same(name, outs, launch(api, op, inputs))
+
+
+def sample_reference(op, inputs, tokens):
+    """The float64 reference of some tokens only (each token's attention depends on its own row)."""
+    idx = np.asarray(tokens)
+    sub = dict(inputs, q=inputs["q"][idx], token_seq=inputs["token_seq"][idx], token_kv_len=inputs["token_kv_len"][idx])
+    return reference_of(op.replace(num_splits=1, fused_merge=False), sub)
+
+
+def one_long_among_short(rng):
+    """Whole prompts: 60 of 20-300 tokens with one of 16384 in their middle (kv_lens = q_lens)."""
+    lens = rng.integers(20, 300, size=60).tolist()
+    lens = lens[:30] + [16384] + lens[30:]
+    return lens, lens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+def test_dynamic_uneven_prompts(api, splits):
+    """One 16K prompt among 60 short ones (the static schedule's worst case): bit for bit what one
+    item a block gives, and the float64 reference on sampled rows (the long prompt's first, middle
+    and heaviest tokens, short prompts)."""
+    op = fused(PRODUCTION, splits)
+    inputs, _ = cached_case("uneven", PRODUCTION, one_long_among_short, reference_of_all=False)
+    outs = launch(api, dyn(op), inputs)
+    assert_same(f"uneven/s{splits}", outs, launch(api, op, inputs))
+    T = inputs["num_tokens"]
+    long_start = int(np.argmax(inputs["token_kv_len"] == 16384)) - 16383
+    tokens = sorted({0, 5, long_start, long_start + 1, long_start + 8191, *range(long_start + 16380, long_start + 16384), T - 1})
+    ref = sample_reference(op, inputs, tokens)
+    sub = {k: outs[k][tokens] for k in ("out", "lse")}
+    check_case(f"uneven/s{splits}", op, sub, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", DYNAMIC_SPLITS)
+@pytest.mark.parametrize("name", ["bf16-d128-g4-p16", "fp16-d64-g4-p16"])  # PRODUCTION and SMALL
+def test_dynamic_split_kv_with_fused_merge(api, name, splits):
+    """Long prompts with split-KV: every block takes several (tile, head, split group) items and
+    merges each item's splits (its own and other blocks') once they are stored; a short sequence's
+    lone tokens are decode items. Launched twice on the queue and counters the first launch leaves
+    at zero."""
+    op = DYNAMIC[name]
+    inputs, ref = cached_case(f"splits/{name}", op, lambda rng: ([900, 800, 3], [900, 300, 3]))
+    assert attention.prefill_items(fused(op, splits), inputs["num_tokens"]) >= 2 * num_sms()
+    queue = torch.zeros(2, dtype=torch.int32, device="cuda")
+    counters = torch.zeros((inputs["num_tokens"], op.num_kv_heads), dtype=torch.int32, device="cuda")
+    for _ in range(2):
+        check_case(f"{name}/s{splits}", op, launch(api, dyn(fused(op, splits)), inputs, queue, counters), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", (1, *DYNAMIC_SPLITS))
+def test_dynamic_mixed_ubatch_with_many_decode_tokens(api, splits):
+    """Hundreds of decode blocks (several waves) go first in the grid; the persistent prefill blocks
+    start as they drain, tiles of lone tokens only are skipped a tile at a time, and with splits
+    both kinds merge."""
+    inputs, ref = cached_case("many-decodes", SMALL, many_decodes_mixed(300))
+    check_case(f"many-decodes/s{splits}", SMALL, launch(api, dyn(fused(SMALL, splits)), inputs), ref)
+
+
+@pytest.mark.gpu
+def test_dynamic_pure_decode_launch(api):
+    """Every tile holds lone tokens only: the first block to take an item skips its tile, the queue
+    empties at once, and the last block still zeroes it."""
+    inputs, ref = cached_case("pure-decode", SMALL, lambda rng: (rng.integers(1, 900, size=97).tolist(), [1] * 97))
+    for splits in (1, 16):
+        check_case(f"pure-decode/s{splits}", SMALL, launch(api, dyn(fused(SMALL, splits)), inputs), ref)
+
+
+@pytest.fixture
+def dynamic_knob(monkeypatch):
+    """paged_attention() launches the dynamic schedule (UACOMPILE_PA_VARIANT prefill=dynamic)."""
+    monkeypatch.setenv(attention.DESIGN_ENV, "prefill=dynamic")
+    assert attention.launched_op(SMALL, 1).item_queue
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+def test_dynamic_graph_replay_of_a_mixed_ubatch(api, rng, dynamic_knob, splits):
+    """A captured launch (the launcher reads the SM count while capturing) replayed twice on fresh
+    q and KV: the stream's item queue (and split counters) are zero after each replay."""
+    op = SMALL
+    kv_lens, q_lens = many_decodes_mixed(40, prompts=(1200, 64), chunk=(900, 400))(rng)
+    inputs = testing.attention_inputs(op, rng, kv_lens, q_lens)
+    dev = device_inputs(op, inputs)
+    out = torch.empty_like(dev["q"])
+    lse = torch.empty(dev["q"].shape[:2], device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: build, workspaces of this stream
+        attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)
+    queue = attention._item_queue(dev["q"].device, stream.cuda_stream)
+    for _ in range(2):
+        fresh = testing.attention_inputs(op, rng, kv_lens, q_lens)
+        fresh["page_table"], fresh["num_pages"] = inputs["page_table"], inputs["num_pages"]
+        for k in ("q", "k_cache", "v_cache"):
+            dev[k].copy_(to_dev(fresh[k]))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_outputs(f"replay/s{splits}", op, fresh, out, lse)
+        assert not queue.any(), "the stream's item queue must be zero after each replay"
+
+
+@pytest.mark.gpu
+def test_dynamic_two_streams(api, dynamic_knob):
+    """Two streams launch the dynamic schedule at once, each on its own item queue (paged_attention()
+    keeps one a stream); five launches each, interleaved, then both outputs and queues are checked."""
+    op = SMALL
+    cases = [cached_case(f"streams/{i}", op, prompts_for_items(op, 2)) for i in range(2)]
+    streams = [torch.cuda.Stream() for _ in cases]
+    devs, outs = [], []
+    for (inputs, _), stream in zip(cases, streams):
+        dev = device_inputs(op, inputs)
+        devs.append(dev)
+        outs.append((torch.full_like(dev["q"], float("nan")), torch.full(dev["q"].shape[:2], float("nan"), device="cuda")))
+        stream.wait_stream(torch.cuda.current_stream())
+    for _ in range(5):
+        for dev, (out, lse), stream in zip(devs, outs, streams):
+            with torch.cuda.stream(stream):
+                attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=1)
+    torch.cuda.synchronize()
+    queues = [attention._item_queue(devs[0]["q"].device, s.cuda_stream) for s in streams]
+    assert queues[0].data_ptr() != queues[1].data_ptr()
+    for i, ((inputs, ref), (out, lse), queue) in enumerate(zip(cases, outs, queues)):
+        check_case(f"stream{i}", op, {"out": out, "lse": lse}, ref)
+        assert not queue.any(), f"stream {i}'s item queue must be zero after its launches"
+
+
 # ---------------------------------------------------------------- CPU
 @pytest.mark.parametrize("op, hopper", [
     (PA(32, 8, 128, 16, "bf16", "bf16"), True),
@@ -79,8 +340,56 @@ def test_which_variants_take_the_hopper_path(op, hopper):
     lay = attention.layout(op, "sm_90")
     assert lay.warps == (8 if hopper else 4)
     assert lay.prefill_rows == 16 * lay.warps * (1 if hopper else lay.mt_prefill)
-    if hopper:  # one 8-warp block a SM: 227 KB a block at most, with the static smem well under 1 KB
-        assert lay.smem_bytes + 1024 <= 227 * 1024 and lay.blocks_per_sm == 1
+    if hopper:  # one 8-warp block a SM: 227 KB a block at most; the static smem (ptxas: 0.3-1.3 KB, the dynamic
+        # schedule's G 1 token windows the most) fits in the rest
+        assert lay.smem_bytes + 2048 <= 227 * 1024 and lay.blocks_per_sm == 1
+
+
+def test_prefill_items_count_tiles_heads_and_split_groups():
+    op = PA(32, 8, 128, 16, "bf16", "bf16")  # G = 4: 32-token tiles; 2 decode groups: split groups of 2
+    assert attention.prefill_items(op, 1) == 8
+    assert attention.prefill_items(op, 33) == 2 * 8
+    assert attention.prefill_items(op.replace(num_splits=3), 64) == 2 * 8 * 2
+    assert attention.prefill_items(op.replace(num_splits=16), 64) == 2 * 8 * 8
+    assert attention.prefill_items(op.replace(num_splits=3), 64, arch="sm_80") == 2 * 8 * 3  # 4-warp blocks: a split each
+
+
+def test_dynamic_schedule_renders_only_with_the_queue_on_hopper():
+    """item_queue: the launcher sizes a 1-D grid of decode blocks and min(items, SMs) persistent
+    prefill blocks; without it, and on the mma.sync path, one item a block (the queue unused)."""
+    op = PA(32, 8, 128, 16, "bf16", "bf16", num_splits=3, fused_merge=True)
+    src = render_op(dyn(op))
+    assert attention.dynamic_prefill(dyn(op)) and not attention.dynamic_prefill(op)
+    assert "constexpr bool DYNAMIC = true;" in src and "cudaDevAttrMultiProcessorCount" in src
+    assert "prm.item_queue = (int32_t*)item_queue;" in src and "void* item_queue" in src
+    for other in (render_op(op), render_op(dyn(op), "sm_80")):
+        assert "constexpr bool DYNAMIC = false;" in other and "cudaDevAttrMultiProcessorCount" not in other
+    assert not attention.dynamic_prefill(dyn(op), "sm_80")
+    assert "void* item_queue" in render_op(dyn(op), "sm_80")  # the IR's signature: the queue is taken, not used
+
+
+def test_the_prefill_knob_picks_the_launched_op(monkeypatch):
+    op = PA(32, 8, 128, 16, "bf16", "bf16")
+    assert attention.DESIGN_KNOBS["prefill"][0] == "static"  # production until measured (v17)
+    assert not attention.launched_op(op, 1).item_queue
+    monkeypatch.setenv(attention.DESIGN_ENV, "prefill=dynamic")
+    assert attention.launched_op(op, 1) == op.replace(item_queue=True)
+    assert attention.launched_op(op, 4) == op.replace(num_splits=4, fused_merge=True, item_queue=True)
+    assert attention.launched_op(op, 4, fused_merge=False).item_queue
+    assert not attention.launched_op(op, 1, arch="sm_80").item_queue  # the mma.sync path keeps one item a block
+    assert not attention.launched_op(op.replace(head_dim=256, num_q_heads=8, num_kv_heads=2), 1).item_queue
+
+
+def test_item_queue_param_signature_and_cdef():
+    op = PA(32, 8, 128, 16, "bf16", "bf16", num_splits=4, fused_merge=True, item_queue=True)
+    params = {p.name: p for p in op.params()}
+    assert params["item_queue"].shape == (2,) and params["item_queue"].dtype == "int32"
+    assert params["item_queue"].role == "inout"
+    assert "void* split_counters, void* item_queue, void* out" in ir.c_signature(op)
+    assert "void* item_queue" in ir.cffi_cdef(op)
+    assert "item_queue" not in ir.c_signature(op.replace(item_queue=False))
+    with pytest.raises(ir.IRError):
+        PA(32, 8, 128, 16, item_queue=1)
 
 
 def test_split_choice_counts_hopper_blocks():

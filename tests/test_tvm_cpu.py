@@ -351,5 +351,7 @@ def test_bad_ir_and_target():
         PagedAttention(6, 4, 64)
     with pytest.raises(ValueError, match="target"):
         prim_func(BASE, "rocm")
+    with pytest.raises(IRError, match="item_queue"):  # the CUDA Hopper path's schedule: no TVM lowering takes it
+        prim_func(BASE.replace(item_queue=True), "cpu")
     with pytest.raises(TypeError, match="op"):
         cpu_kernel({"op": "merge_state"})

@@ -82,10 +82,11 @@ def _attend(op, qt, keys, vals, positions, kv_len, slopes):
 
 
 def paged_attention(op: PagedAttention, q, k_cache, v_cache, token_seq, page_table, token_kv_len,
-                    k_scale=None, v_scale=None, alibi_slopes=None, split_counters=None):
+                    k_scale=None, v_scale=None, alibi_slopes=None, split_counters=None,
+                    item_queue=None):
     """Returns (out [T,Hq,D], lse [T,Hq]) in float64, or with num_splits > 1
     (o_partial [S,T,Hq,D], lse_partial [S,T,Hq]). A fused_merge op returns (out, lse),
-    merged from its partials (its split_counters workspace carries no data)."""
+    merged from its partials (its split_counters and item_queue workspaces carry no data)."""
     q, P = f64(q), op.page_size
     K = dequantize(k_cache, k_scale) if op.quantized else f64(k_cache)
     V = dequantize(v_cache, v_scale) if op.quantized else f64(v_cache)

@@ -102,6 +102,7 @@ def _plan_attention(op: PagedAttention, soc: str) -> Plan:
     _require(op.variant == "ua", f"{k}.variant", "the AscendC target implements only variant 'ua'")
     _require(not op.fused_merge, f"{k}.fused_merge",
              "the AscendC target writes split-KV partials only (fused_merge=False); merge them in a second op")
+    _require(not op.item_queue, f"{k}.item_queue", "the AscendC target has no persistent schedule (item_queue=False)")
     _require(op.kv_dtype in ("fp16", "bf16", "fp32", "int8"), f"{k}.kv_dtype",
              f"the AscendC target supports fp16/bf16/fp32/int8 KV (910B has no fp8), got {op.kv_dtype}")
     D, G, Hkv = op.head_dim, op.group_size, op.num_kv_heads

@@ -120,6 +120,22 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
                   wgmma=True, bn_wg=bn_wg, stages_wg=stages_wg, smem_prefill=smem_prefill)
 
 
+def dynamic_prefill(op: ir.PagedAttention, arch: str = "sm_90") -> bool:
+    """Whether prefill blocks are persistent and take their items from op's item_queue (the Hopper
+    path with item_queue=True); else one prefill tile (x KV head x split group) a block."""
+    return op.item_queue and uses_wgmma(op, arch)
+
+
+def prefill_items(op: ir.PagedAttention, num_tokens: int, arch: str = "sm_90") -> int:
+    """Prefill work items of a launch, as the template's launcher counts them: tiles of
+    prefill_rows / group_size tokens x KV heads x split groups (a block runs the splits of a group
+    one after another: decode_groups of them with split-KV). With dynamic_prefill, min(items, SMs)
+    persistent blocks take them, so a block takes several when items exceed the SM count."""
+    lay = layout(op, arch)
+    split_group = lay.decode_groups if op.num_splits > 1 else 1
+    return -(-num_tokens // (lay.prefill_rows // op.group_size)) * op.num_kv_heads * -(-op.num_splits // split_group)
+
+
 def _c_float(x: float) -> str:
     return f"{float(x):.9e}f"
 
@@ -135,6 +151,9 @@ DESIGN_KNOBS = {
     "merge": ("lean", "fence"),  # lean: one acq_rel atomic an arrival, up to 32 partials in flight
     "grid": ("flat", "planes"),  # flat: 1-D grid, decode blocks first; lone-token prefill tiles exit at once
     "pdl": ("1", "0"),  # programmatic dependent launch (Hopper)
+    # read by paged_attention(), not the render: "dynamic" launches Hopper-path ops with item_queue=True,
+    # whose persistent prefill blocks take items from an atomic counter (bench/NOTES-attention.md v17)
+    "prefill": ("static", "dynamic"),
 }
 
 
@@ -173,7 +192,7 @@ def template_context(op: ir.PagedAttention, arch: str = "sm_90") -> tuple[str, d
         window=op.window, softcap=op.softcap, softcap_c=_c_float(op.softcap or 1.0), alibi=op.alibi,
         scale_c=_c_float(op.sm_scale), bn_prefill=lay.bn_prefill, mt_prefill=lay.mt_prefill, kv_rows=lay.kv_rows, stages=lay.stages,
         smem_bytes=lay.smem_bytes, min_blocks=lay.min_blocks, prefill_rows=lay.prefill_rows, groups=lay.decode_groups,
-        wgmma=lay.wgmma, design=design,
+        wgmma=lay.wgmma, design=design, dynamic=dynamic_prefill(op, arch),
         bn_wg=lay.bn_wg, stages_wg=lay.stages_wg, smem_prefill=lay.smem_prefill)
 
 
@@ -251,6 +270,32 @@ def _split_counters(device, stream_id: int, num_tokens: int, kv_heads: int):
     return counters
 
 
+def _item_queue(device, stream_id: int):
+    """item_queue's two counters (next item, blocks done), zeroed once and kept per (device, stream):
+    the last persistent block of every launch zeroes them again (graph replays too)."""
+    import torch
+
+    key = (str(device), stream_id, "item_queue")
+    queue = _workspaces.get(key)
+    if queue is None:
+        queue = _workspaces[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return queue
+
+
+def launched_op(op: ir.PagedAttention, num_splits: int, fused_merge: bool = True, arch: str = "sm_90",
+                design: dict | None = None) -> ir.PagedAttention:
+    """The op paged_attention() launches for `op` at num_splits (merge_state aside): the split
+    fields, and item_queue on the Hopper path when the design's prefill knob says dynamic."""
+    design = design or design_of()
+    if num_splits == 1:
+        run = op.replace(num_splits=1, fused_merge=False)
+    elif fused_merge:
+        run = op.replace(num_splits=num_splits, fused_merge=True)
+    else:
+        run = op.replace(num_splits=num_splits, return_lse=False, fused_merge=False)
+    return run.replace(item_queue=design["prefill"] == "dynamic" and uses_wgmma(run, arch))
+
+
 def _num_sms(device) -> int:
     import torch
 
@@ -269,7 +314,8 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
                     fused_merge: bool = True):
     """Attention of a ubatch over the paged cache on torch's current stream; returns out
     (and lse when op.return_lse). num_splits=None picks split-KV from the shapes; the
-    split count of `op` itself is ignored. Tokens may come in any order (a sequence's
+    split count and item_queue of `op` itself are ignored (launched_op says what runs: with
+    UACOMPILE_PA_VARIANT prefill=dynamic, the Hopper path takes the stream's item queue). Tokens may come in any order (a sequence's
     tokens side by side share K/V loads as a prefill tile; a lone token is a decode item).
     With splits, fused_merge=False runs the partials and merge_state as two launches."""
     import torch
@@ -299,18 +345,19 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
     if op.return_lse and lse is None:
         lse = torch.empty((T, op.num_q_heads), dtype=torch.float32, device=q.device)
     extra = dict(out=out, lse=lse) if op.return_lse else dict(out=out)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    run = launched_op(op, num_splits, fused_merge, _arch(q.device))
+    if run.item_queue:
+        tensors["item_queue"] = _item_queue(q.device, stream)
     if num_splits > 1:  # this stream's partials workspace
-        stream = torch.cuda.current_stream(q.device).cuda_stream
         o_part, lse_part = _workspace(q.device, stream, num_splits, T, op.num_q_heads, op.head_dim)
     if num_splits == 1:
-        kernel(op.replace(num_splits=1, fused_merge=False))(**tensors, **extra)
+        kernel(run)(**tensors, **extra)
     elif fused_merge:
         counters = _split_counters(q.device, stream, T, op.num_kv_heads)
-        kernel(op.replace(num_splits=num_splits, fused_merge=True))(
-            **tensors, o_partial=o_part, lse_partial=lse_part, split_counters=counters, **extra)
+        kernel(run)(**tensors, o_partial=o_part, lse_partial=lse_part, split_counters=counters, **extra)
     else:
-        kernel(op.replace(num_splits=num_splits, return_lse=False, fused_merge=False))(
-            **tensors, o_partial=o_part, lse_partial=lse_part)
+        kernel(run)(**tensors, o_partial=o_part, lse_partial=lse_part)
         merge = ir.MergeState(num_heads=op.num_q_heads, head_dim=op.head_dim, num_splits=num_splits,
                               out_dtype=op.q_dtype, return_lse=op.return_lse)
         kernel(merge)(o_partial=o_part, lse_partial=lse_part, **extra)

@@ -12,11 +12,14 @@ cells of other sequences and positions outside the token's range: llama.cpp's co
 """
 from __future__ import annotations
 
+from ..errors import IRError
 from ..ir import PagedAttention
 from .tvm_kernels import ALIGN, TIR_DTYPE, lanes_for, load_f32, merge_row_macro, neg_inf, transform_score
 
 
 def paged_attention(op: PagedAttention, gpu: bool):
+    if op.item_queue:
+        raise IRError("paged_attention.item_queue", "the TVM lowerings have no persistent schedule: build with item_queue=False")
     return _cuda(op) if gpu else _cpu(op)
 
 
