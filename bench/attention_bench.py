@@ -85,13 +85,18 @@ def decode_batches(B: int, L: int, gen: torch.Generator) -> list[PagedBatch]:
     return [PagedBatch(B, L, 1, gen) for _ in range(copies)]
 
 
-def spin_up_clocks(seconds: float = 0.3) -> None:
-    """Busy the GPU a moment before timing: it idles at 345 MHz while builds and JIT run on the CPU."""
+def spin_up_clocks(seconds: float = 0.5) -> None:
+    """Busy the GPU a moment before timing: it idles at 345 MHz while builds and JIT run on the CPU.
+    Matmuls and a 1 GiB copy in turn (SM and memory clocks): after kernels.py's cache section the
+    first decode group (SDPA too) read ~10% slow after a 0.3 s matmul-only spin (session 5)."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        for _ in range(20):
+        for _ in range(10):
             a @ a
+            dst.copy_(src)
         torch.cuda.synchronize()
 
 

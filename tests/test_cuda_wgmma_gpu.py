@@ -370,8 +370,9 @@ def test_dynamic_schedule_renders_only_with_the_queue_on_hopper():
 
 def test_the_prefill_knob_picks_the_launched_op(monkeypatch):
     op = PA(32, 8, 128, 16, "bf16", "bf16")
-    assert attention.DESIGN_KNOBS["prefill"][0] == "static"  # production until measured (v17)
-    assert not attention.launched_op(op, 1).item_queue
+    assert attention.DESIGN_KNOBS["prefill"][0] == "dynamic"  # production since measured (v17)
+    monkeypatch.setenv(attention.DESIGN_ENV, "prefill=static")
+    assert not attention.launched_op(op, 1).item_queue and not attention.launched_op(op, 4).item_queue
     monkeypatch.setenv(attention.DESIGN_ENV, "prefill=dynamic")
     assert attention.launched_op(op, 1) == op.replace(item_queue=True)
     assert attention.launched_op(op, 4) == op.replace(num_splits=4, fused_merge=True, item_queue=True)

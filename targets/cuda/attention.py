@@ -15,6 +15,7 @@ graph capture fixes it) and keeps the partial and counter workspaces cached.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ... import ir
@@ -152,23 +153,29 @@ DESIGN_KNOBS = {
     "grid": ("flat", "planes"),  # flat: 1-D grid, decode blocks first; lone-token prefill tiles exit at once
     "pdl": ("1", "0"),  # programmatic dependent launch (Hopper)
     # read by paged_attention(), not the render: "dynamic" launches Hopper-path ops with item_queue=True,
-    # whose persistent prefill blocks take items from an atomic counter (bench/NOTES-attention.md v17)
-    "prefill": ("static", "dynamic"),
+    # whose persistent prefill blocks take items from an atomic counter (bench/NOTES-attention.md v17:
+    # 8x4096 0.80 -> 0.86x SDPA, 2x16384 0.93 -> 0.97x, interleaved timing, H200)
+    "prefill": ("dynamic", "static"),
 }
 
 
 def design_of(text: str | None = None) -> dict:
-    """Knobs from "k=v,k=v" (default: $UACOMPILE_PA_VARIANT), production values for the rest."""
+    """Knobs from "k=v,k=v" (default: $UACOMPILE_PA_VARIANT), production values for the rest.
+    paged_attention() asks on every call (the prefill knob): the parse is cached per text."""
     import os
 
-    text = os.environ.get(DESIGN_ENV, "") if text is None else text
+    return dict(_parse_design(os.environ.get(DESIGN_ENV, "") if text is None else text))
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_design(text: str) -> tuple:
     design = {k: v[0] for k, v in DESIGN_KNOBS.items()}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, _, value = item.partition("=")
         if key not in DESIGN_KNOBS or value not in DESIGN_KNOBS[key]:
             raise ValueError(f"paged_attention design: {item!r} (knobs: {DESIGN_KNOBS})")
         design[key] = value
-    return design
+    return tuple(design.items())
 
 
 def load_designs(designs: dict, ops: list, arch: str | None = None) -> dict:
@@ -296,12 +303,14 @@ def launched_op(op: ir.PagedAttention, num_splits: int, fused_merge: bool = True
     return run.replace(item_queue=design["prefill"] == "dynamic" and uses_wgmma(run, arch))
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device) -> int:
     import torch
 
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)  # asked on every paged_attention() call
 def _arch(device) -> str:
     import torch
 
