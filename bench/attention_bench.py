@@ -7,7 +7,8 @@ Decode: effective GB/s = bytes of K and V read / kernel time. Prefill: causal TF
 4 * B * L^2 / 2 * Hq * D / time. Each timing is the median of several replays of a CUDA
 graph holding many calls; inputs rotate over several copies when one copy would fit in L2.
 Every "ours" row is also checked against torch SDPA on the same data (max abs diff).
-FlashInfer 0.2.14 is a peer when its sdist is in .peers/ (set up by JIT: slow first call).
+FlashInfer 0.2.14 is a peer when its sdist is in .peers/ (set up by JIT: slow first call). Every
+implementation of a shape is timed in one interleaved timing (bench/timing.py), peers included.
 """
 from __future__ import annotations
 
@@ -116,7 +117,9 @@ def _row(op, shape, impl, diff=None, **vals):
     return r
 
 
-def decode_rows(gen, splits_sweep=(), unified=False) -> list[dict]:
+def decode_rows(gen, splits_sweep=(), unified=False, peers=None) -> list[dict]:
+    """Ours at each split count, SDPA on contiguous KV and the peers' decode ({name: batch -> call})
+    in one interleaved timing a shape; then gather + SDPA and unified_masked on their own."""
     rows = []
     op = op_of()
     for B, L in DECODE_SHAPES:
@@ -131,8 +134,9 @@ def decode_rows(gen, splits_sweep=(), unified=False) -> list[dict]:
         fns = {s: [lambda b=b, s=s: attention.paged_attention(op, **b.args(), out=b.out, num_splits=s) for b in batches]
                for s in dict.fromkeys([auto, *splits_sweep]) if s == 1 or L // s >= 64}
         fns["sdpa"] = [lambda b=b, kv=kv: sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)]
+        fns.update({name: make(b0) for name, make in (peers or {}).get("decode", {}).items()})
         timings = time_graphs(fns, calls=10, rounds=ROUNDS)
-        for splits in [s for s in fns if s != "sdpa"]:
+        for splits in [s for s in fns if isinstance(s, int)]:
             b0.out.fill_(float("nan"))
             attention.paged_attention(op, **b0.args(), out=b0.out, num_splits=splits)
             diff = (b0.out.float() - want.float()).abs().max().item()
@@ -141,6 +145,8 @@ def decode_rows(gen, splits_sweep=(), unified=False) -> list[dict]:
             rows.append(_row("decode", shape, impl, ms=ms, gbps=b0.kv_bytes / ms / 1e6, diff=diff))
         ms = timings["sdpa"].ms
         rows.append(_row("decode", shape, "torch SDPA contiguous", ms=ms, gbps=b0.kv_bytes / ms / 1e6))
+        for name in (peers or {}).get("decode", {}):
+            rows.append(_row("decode", shape, name, ms=timings[name].ms, gbps=b0.kv_bytes / timings[name].ms / 1e6))
         del kc, k, v
 
         def gather_sdpa(b):
@@ -160,7 +166,8 @@ def decode_rows(gen, splits_sweep=(), unified=False) -> list[dict]:
     return rows
 
 
-def prefill_rows(gen, shapes=PREFILL_SHAPES) -> list[dict]:
+def prefill_rows(gen, shapes=PREFILL_SHAPES, peers=None) -> list[dict]:
+    """Ours, SDPA on contiguous KV and the peers' prefill in one interleaved timing a shape."""
     rows = []
     op = op_of()
     for B, L in shapes:
@@ -169,13 +176,17 @@ def prefill_rows(gen, shapes=PREFILL_SHAPES) -> list[dict]:
         shape = f"{B}x{L} causal"
         k, v = b.contiguous_kv()
         want = sdpa(b.q_bhld(), k, v, True)
-        t = time_graphs({"ua": lambda: attention.paged_attention(op, **b.args(), out=b.out, num_splits=1),
-                         "sdpa": lambda: sdpa(b.q_bhld(), k, v, True)}, calls=2, rounds=ROUNDS)
+        fns = {"ua": lambda: attention.paged_attention(op, **b.args(), out=b.out, num_splits=1),
+               "sdpa": lambda: sdpa(b.q_bhld(), k, v, True)}
+        fns.update({name: make(b) for name, make in (peers or {}).get("prefill", {}).items()})
+        t = time_graphs(fns, calls=2, rounds=ROUNDS)
         b.out.fill_(float("nan"))
         attention.paged_attention(op, **b.args(), out=b.out, num_splits=1)
         diff = (b.out.view(B, L, HQ, D).transpose(1, 2).float() - want.float()).abs().max().item()
         rows.append(_row("prefill", shape, "ua", ms=t["ua"].ms, tflops=flops / t["ua"].ms / 1e9, diff=diff))
         rows.append(_row("prefill", shape, "torch SDPA contiguous", ms=t["sdpa"].ms, tflops=flops / t["sdpa"].ms / 1e9))
+        for name in (peers or {}).get("prefill", {}):
+            rows.append(_row("prefill", shape, name, ms=t[name].ms, tflops=flops / t[name].ms / 1e9))
         del b, k, v, want
         torch.cuda.empty_cache()
     return rows
@@ -248,26 +259,17 @@ def fi_prefill(fi, ws, b: PagedBatch):
     return lambda: w.run(b.q, (b.k_cache, b.v_cache))
 
 
-def flashinfer_rows(gen, fi) -> list[dict]:
-    rows = []
-    ws = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    for B, L in DECODE_SHAPES:
-        b = PagedBatch(B, L, 1, gen)
-        for tc in (False, True):
-            ms = time_ms([fi_decode(fi, ws, b, tc)], calls_per_fn=10)
-            rows.append(_row("decode", f"{B}x{L}", f"FlashInfer {'tensor-core' if tc else 'CUDA-core'}", ms=ms,
-                             gbps=b.kv_bytes / ms / 1e6))
-        del b
-    for B, L in PREFILL_SHAPES:
-        b = PagedBatch(B, L, L, gen)
-        ms = time_ms([fi_prefill(fi, ws, b)], calls_per_fn=2)
-        rows.append(_row("prefill", f"{B}x{L} causal", "FlashInfer paged", ms=ms, tflops=4 * B * L * L / 2 * HQ * D / ms / 1e9))
-        del b
-    return rows
+def flashinfer_calls(fi) -> dict:
+    """{"decode" | "prefill": {row name: batch -> planned run call}}: FlashInfer's rows, timed inside
+    our rows' interleaved timings. Each wrapper has its own workspace (a plan lives in it)."""
+    ws = lambda: torch.empty(128 * 2**20, dtype=torch.uint8, device="cuda")  # noqa: E731
+    return {"decode": {"FlashInfer CUDA-core": lambda b: fi_decode(fi, ws(), b, False),
+                       "FlashInfer tensor-core": lambda b: fi_decode(fi, ws(), b, True)},
+            "prefill": {"FlashInfer paged": lambda b: fi_prefill(fi, ws(), b)}}
 
 
 def warm_flashinfer(fi, log=print) -> None:
-    """Build (JIT) the FlashInfer modules flashinfer_rows uses, on tiny batches: three builds in
+    """Build (JIT) the FlashInfer modules flashinfer_calls uses, on tiny batches: three builds in
     parallel threads (each a ninja subprocess), one after another if that fails. bench/run_device.sh
     runs this in the background during the GPU tests."""
     from concurrent.futures import ThreadPoolExecutor
@@ -315,41 +317,47 @@ def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None
     with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
         list(pool.map(api.kernel, ops))
     log(f"# built {len(ops)} attention variants in {time.perf_counter() - t0:.1f} s")
+    peers = flashinfer_peers(ctx, log) if flashinfer else None
     spin_up_clocks()
     rows = []
     COPY_GBPS[0] = getattr(ctx, "copy_gbps", 0.0) or 0.0
     if not COPY_GBPS[0]:
         COPY_GBPS[0] = copy_ceiling_gbps()[0]
         rows.append(_row("copy", "1 GiB", "torch copy_ (ceiling)", gbps=COPY_GBPS[0]))
-    rows += decode_rows(gen, sweep, unified=True)
+    rows += decode_rows(gen, sweep, unified=True, peers=peers)
     log(f"# decode done at {time.perf_counter() - t0:.1f} s")
-    rows += prefill_rows(gen)
+    rows += prefill_rows(gen, peers=peers)
     rows += mixed_rows(gen)
     log(f"# prefill + mixed done at {time.perf_counter() - t0:.1f} s")
-    if flashinfer:
-        rows += peer_rows(ctx, log)
     return rows
 
 
-def peer_rows(ctx=None, log=print) -> list[dict]:
-    """FlashInfer's rows (JIT-built from its sdist in .peers/, or skipped with a note)."""
+def flashinfer_peers(ctx=None, log=print) -> dict | None:
+    """FlashInfer's calls for the rows (JIT-built from its sdist in .peers/; cached when
+    run_device.sh built them during the GPU tests), each tried once on a small batch: None, with
+    a note, when the sdist is missing or a call fails (a peer failing must not lose our rows)."""
     t0 = time.perf_counter()
     try:
         fi = import_flashinfer()
         if fi is None:
-            log("# FlashInfer sdist not in .peers/: peer rows skipped")
-            return []
-        warm_flashinfer(fi, log)  # its JIT modules (cached when run_device.sh built them beforehand)
-        spin_up_clocks()
-        rows = flashinfer_rows(torch.Generator(device="cuda").manual_seed(1), fi)
-        log(f"# flashinfer done in {time.perf_counter() - t0:.1f} s")
-        return rows
-    except Exception as e:  # noqa: BLE001 - a peer failing must not lose our rows
-        msg = f"FlashInfer rows failed: {type(e).__name__}: {str(e)[:200]}"
+            log("# FlashInfer sdist not in .peers/: no FlashInfer rows")
+            return None
+        warm_flashinfer(fi, log)
+        calls = flashinfer_calls(fi)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        small = {"decode": PagedBatch(2, 64 * P, 1, gen), "prefill": PagedBatch(2, 8 * P, 8 * P, gen)}
+        for kind, makers in calls.items():
+            for make in makers.values():
+                make(small[kind])()
+        torch.cuda.synchronize()
+        log(f"# FlashInfer ready in {time.perf_counter() - t0:.1f} s")
+        return calls
+    except Exception as e:  # noqa: BLE001
+        msg = f"FlashInfer rows skipped: {type(e).__name__}: {str(e)[:200]}"
         log("# " + msg)
         if ctx is not None:
             ctx.notes.append(msg)
-        return []
+        return None
 
 
 def table(rows) -> str:

@@ -1,6 +1,6 @@
 """Kernel benchmark, run on the device: prints one table and writes kernels-<date>.json / .md.
 
-    PYTHONPATH=... python3 bench/kernels.py --out bench/results [--only cache,swap,build,attention,peers] [--quick]
+    PYTHONPATH=... python3 bench/kernels.py --out bench/results [--only attention,cache,swap,build] [--quick]
 
 Rows are dicts {op, shape, impl, gbps | tflops | ms, note?}. Bandwidth counts the bytes a
 kernel must move (each input read once, each output written once) over its median time
@@ -10,8 +10,8 @@ Cache ops are compared with the device copy ceiling (a 1 GiB torch copy_) and to
 copies; swap with one pinned cudaMemcpy of the same bytes and with per-block copies (vLLM's
 swap_blocks does one memcpy per block). Build rows: nvcc cold build and cached load (a
 copy of the cache at a new path: key + render + dlopen) per variant. Attention rows come
-from bench/attention_bench.py (`attention_rows`, and FlashInfer's in `peer_rows`, the last
-section). The report is rewritten after every section, so a run cut short keeps its rows.
+from bench/attention_bench.py (`attention_rows`: ours, torch SDPA and FlashInfer timed
+interleaved per shape). The report is rewritten after every section, so a run cut short keeps its rows.
 """
 from __future__ import annotations
 
@@ -298,18 +298,13 @@ def build_rows(ctx: BenchContext) -> list[dict]:
 
 
 def attention_rows(ctx: BenchContext) -> list[dict]:
-    return attention_bench.attention_rows(ctx, flashinfer=False)
-
-
-def peer_rows(ctx: BenchContext) -> list[dict]:
-    """FlashInfer's attention rows: a section of their own, last, since their JIT build is the
-    slowest step (bench/run_device.sh builds it during the GPU tests)."""
-    return attention_bench.peer_rows(ctx) if attention_bench.flashinfer_wanted(ctx.quick) else []
+    """Ours, torch SDPA and FlashInfer (unless quick or UA_BENCH_FLASHINFER=0) per shape, interleaved."""
+    return attention_bench.attention_rows(ctx)
 
 
 # attention first: after the cache section its first decode group read ~10% slow (SDPA beside it too)
 SECTIONS = {"attention": attention_rows, "cache": lambda c: reshape_rows(c) + copy_blocks_rows(c), "swap": swap_rows,
-            "build": build_rows, "peers": peer_rows}
+            "build": build_rows}
 
 
 # ---------------------------------------------------------------- report
