@@ -108,6 +108,19 @@ def test_reshape_sweep_candidates_compile(name, monkeypatch):
     assert build(CACHE_OP_VARIANTS["reshape_and_cache"], "sm_90").path.exists()
 
 
+@pytest.mark.parametrize("flags", ["-DUA_CP_L2_PREFETCH=0", "-DUA_CP_L2_PREFETCH=256 -DUA_CP_EVICT_FIRST"])
+def test_attention_load_hint_switches_compile(flags, monkeypatch):
+    """The K/V load hint experiment switches (UACOMPILE_NVCC_FLAGS, bench/NOTES-attention.md v18) still
+    build and change the cache key."""
+    from uacompile.targets.cuda.build import build
+
+    op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16")
+    plain = build(op, "sm_90").path
+    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", flags)
+    switched = build(op, "sm_90").path
+    assert switched.exists() and switched != plain
+
+
 def test_cache_key_follows_variant_and_arch():
     from uacompile.targets.cuda.build import build
 
