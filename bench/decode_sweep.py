@@ -52,6 +52,10 @@ CANDIDATES = {
     "no-lean": "merge=fence",
     "no-flat": "grid=planes",
     "no-pdl": "pdl=0",
+    # after "|": nvcc flags (the template's experiment switches; NOTES v18)
+    "no-l2-hint": "|-DUA_CP_L2_PREFETCH=0",
+    "l2-256": "|-DUA_CP_L2_PREFETCH=256",
+    "evict-first": "|-DUA_CP_EVICT_FIRST",
 }
 CANDIDATE_SHAPES = [(1, 32768), (1, 4096), (8, 16384), (32, 4096), (128, 1024)]
 

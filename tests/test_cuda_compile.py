@@ -219,8 +219,10 @@ def test_designs_build_side_by_side_and_a_bad_one_is_reported():
     from uacompile.targets.cuda.render import RC_DESIGN_ENV
 
     ops = [R(8, 128)]
-    built = load_designs(RC_DESIGN_ENV, {"production": "", "waves1": "waves=1", "bad": "no_such_knob=1"}, ops, "sm_90")
+    built = load_designs(RC_DESIGN_ENV, {"production": "", "waves1": "waves=1", "bad": "no_such_knob=1",
+                                         "flagged": "|-DUA_UNUSED_SWITCH=1"}, ops, "sm_90")
     assert isinstance(built["production"], KernelLibrary) and isinstance(built["waves1"], KernelLibrary)
     assert built["production"].path != built["waves1"].path  # the knob reached its worker's render
+    assert built["flagged"].path not in (built["production"].path, built["waves1"].path)  # nvcc flags after "|"
     assert isinstance(built["bad"], Exception) and "unknown knobs" in build_failure(built["bad"])
     assert build_failure(built["bad"]).startswith("build: ")
