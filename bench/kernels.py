@@ -429,10 +429,26 @@ def write_meta(out: Path, meta: dict) -> str:
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(meta, targets=target_checks(meta["rows"]))
     (out / f"kernels-{meta['date']}.json").write_text(json.dumps(meta, indent=1))
-    text = (f"# Kernel benchmark, {meta['gpu']}, {meta['date']}\n\n{table(meta['rows'])}\n"
+    chart = draw_chart(meta, out / f"kernels-{meta['date']}.png")
+    text = (f"# Kernel benchmark, {meta['gpu']}, {meta['date']}\n\n"
+            + (f"![ours against the peers and the targets]({chart.name})\n\n" if chart else "")
+            + f"{table(meta['rows'])}\n"
             + "".join(f"\n- {n}" for n in meta["notes"]) + f"\n\n## Targets\n\n{targets_table(meta['targets'])}\n")
     (out / f"kernels-{meta['date']}.md").write_text(text)
     return text
+
+
+
+def draw_chart(meta: dict, png: Path) -> Path | None:
+    """bench/chart.py's picture of the run, where matplotlib is installed (a dev dependency; the
+    device machine lacks it, so there `--rerender` draws it afterwards); None where it is not."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None
+    import chart
+
+    return chart.draw(meta, png)
 
 if __name__ == "__main__":
     sys.exit(main())

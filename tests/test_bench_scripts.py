@@ -3,6 +3,7 @@ device time: import each one here (no GPU needed to import) and parse its comman
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,26 @@ def test_rerender_rebuilds_the_report_from_a_json(tmp_path):
     assert meta["rows"] == json.loads(src.read_text())["rows"] and meta["targets"]
     md = (tmp_path / "kernels-2026-11-30.md").read_text()
     assert "## Targets" in md and "| decode GB/s >= 3800 | 1x32768 |" in md
+    if importlib.util.find_spec("matplotlib"):  # a dev dependency: the chart comes with the table
+        assert (tmp_path / "kernels-2026-11-30.png").stat().st_size > 20_000 and "(kernels-2026-11-30.png)" in md
+
+
+def test_chart_draws_every_panel_from_a_run(tmp_path, monkeypatch):
+    """bench/chart.py: the decode, prefill and cache-op panels of the committed run, its bars the JSON's numbers."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    chart = importlib.import_module("chart")
+    meta = json.loads((BENCH / "results" / "kernels-2026-11-30.json").read_text())
+    png = chart.draw(meta, tmp_path / "k.png")
+    assert png.stat().st_size > 20_000
+    assert chart._label("reshape_and_cache % of copy ceiling >= 85", "T=32768 Hkv=8 D=128 P=16 bf16->bf16 +rope") \
+        == "reshape\nbf16 to\nbf16\n+rope"
+    assert chart._label("swap % of pinned memcpy >= 80", "d2h L=32 pairs=128") == "swap\nd2h"
+    out = subprocess.run([sys.executable, str(BENCH / "chart.py"), str(tmp_path / "missing.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no such file" in out.stderr
 
 
 @pytest.mark.gpu
