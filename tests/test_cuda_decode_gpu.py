@@ -174,6 +174,8 @@ def test_graph_replays_find_the_counters_reset(api, rng):
     """A captured fused launch replayed twice on fresh data: each replay starts from the zeroed
     counters the previous one left behind (the warm-up on the capture stream allocates and zeroes
     them, so the graph holds no memset of its own)."""
+    from uacompile.targets.cuda import api as cuda_api
+
     op = OPS["g4-bf16-d128-p16"].replace(return_lse=True)
     lens = [6000, 700, 3000]
     inputs = testing.attention_inputs(op, rng, lens)
@@ -181,14 +183,9 @@ def test_graph_replays_find_the_counters_reset(api, rng):
     splits = 32
     out = torch.empty_like(dev["q"])
     lse = torch.empty(dev["q"].shape[:2], device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: build, workspaces of this stream
-        attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)
+    stream = torch.cuda.Stream()  # warm-up (build, this stream's workspaces), then capture
+    graph = cuda_api.capture_graph([lambda: attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)],
+                                   stream=stream)
     counters = attention._split_counters(dev["q"].device, stream.cuda_stream, len(lens), op.num_kv_heads)
     for _ in range(2):
         fresh = testing.attention_inputs(op, rng, lens)

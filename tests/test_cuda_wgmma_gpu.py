@@ -269,20 +269,17 @@ def dynamic_knob(monkeypatch):
 def test_dynamic_graph_replay_of_a_mixed_ubatch(api, rng, dynamic_knob, splits):
     """A captured launch (the launcher reads the SM count while capturing) replayed twice on fresh
     q and KV: the stream's item queue (and split counters) are zero after each replay."""
+    from uacompile.targets.cuda import api as cuda_api
+
     op = SMALL
     kv_lens, q_lens = many_decodes_mixed(40, prompts=(1200, 64), chunk=(900, 400))(rng)
     inputs = testing.attention_inputs(op, rng, kv_lens, q_lens)
     dev = device_inputs(op, inputs)
     out = torch.empty_like(dev["q"])
     lse = torch.empty(dev["q"].shape[:2], device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: build, workspaces of this stream
-        attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)
+    stream = torch.cuda.Stream()  # warm-up (build, this stream's workspaces), then capture
+    graph = cuda_api.capture_graph([lambda: attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)],
+                                   stream=stream)
     queue = attention._item_queue(dev["q"].device, stream.cuda_stream)
     for _ in range(2):
         fresh = testing.attention_inputs(op, rng, kv_lens, q_lens)

@@ -180,11 +180,12 @@ def merge_state(o_partial, lse_partial, out=None, lse=None, out_dtype: torch.dty
     return (out, lse) if lse is not None else out
 
 
-def capture_graph(fns, calls: int = 1) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of `calls` rounds of fns. Each fn runs once first on the capture stream, so the
-    per-stream workspaces paged_attention() keeps (split partials, counters) exist before capture
-    and the graph holds kernels only."""
-    stream = torch.cuda.Stream()
+def capture_graph(fns, calls: int = 1, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` rounds of fns. Each fn runs once first on the capture stream (a new
+    one, or `stream`: its workspaces can then be looked up), so the per-stream workspaces
+    paged_attention() keeps (split partials, counters, item queue) exist before capture and the
+    graph holds kernels only."""
+    stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for f in fns:
