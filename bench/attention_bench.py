@@ -269,16 +269,14 @@ def flashinfer_calls(fi) -> dict:
 
 
 def warm_flashinfer(fi, log=print) -> None:
-    """Build (JIT) the FlashInfer modules flashinfer_calls uses, on tiny batches: three builds in
-    parallel threads (each a ninja subprocess), one after another if that fails. bench/run_device.sh
-    runs this in the background during the GPU tests."""
+    """Build (JIT) the FlashInfer modules of flashinfer_calls and run each call once on a tiny batch:
+    the builds in parallel threads (each a ninja subprocess), one after another if that fails."""
     from concurrent.futures import ThreadPoolExecutor
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    decode, prefill = PagedBatch(1, 4 * P, 1, gen), PagedBatch(1, 4 * P, 4 * P, gen)
-    ws = lambda: torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # noqa: E731 - one per thread
-    jobs = [lambda: fi_decode(fi, ws(), decode, False)(), lambda: fi_decode(fi, ws(), decode, True)(),
-            lambda: fi_prefill(fi, ws(), prefill)()]
+    tiny = {"decode": PagedBatch(1, 4 * P, 1, gen), "prefill": PagedBatch(1, 4 * P, 4 * P, gen)}
+    jobs = [lambda make=make, kind=kind: make(tiny[kind])()
+            for kind, makers in flashinfer_calls(fi).items() for make in makers.values()]
     t0 = time.perf_counter()
     try:
         with ThreadPoolExecutor(len(jobs)) as pool:
@@ -333,25 +331,16 @@ def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None
 
 
 def flashinfer_peers(ctx=None, log=print) -> dict | None:
-    """FlashInfer's calls for the rows (JIT-built from its sdist in .peers/; cached when
-    run_device.sh built them during the GPU tests), each tried once on a small batch: None, with
-    a note, when the sdist is missing or a call fails (a peer failing must not lose our rows)."""
-    t0 = time.perf_counter()
+    """FlashInfer's calls for the rows (JIT-built from its sdist in .peers/), each tried once on a
+    tiny batch by warm_flashinfer: None, with a note, when the sdist is missing or a call fails (a
+    peer failing must not lose our rows)."""
     try:
         fi = import_flashinfer()
         if fi is None:
             log("# FlashInfer sdist not in .peers/: no FlashInfer rows")
             return None
         warm_flashinfer(fi, log)
-        calls = flashinfer_calls(fi)
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        small = {"decode": PagedBatch(2, 64 * P, 1, gen), "prefill": PagedBatch(2, 8 * P, 8 * P, gen)}
-        for kind, makers in calls.items():
-            for make in makers.values():
-                make(small[kind])()
-        torch.cuda.synchronize()
-        log(f"# FlashInfer ready in {time.perf_counter() - t0:.1f} s")
-        return calls
+        return flashinfer_calls(fi)
     except Exception as e:  # noqa: BLE001
         msg = f"FlashInfer rows skipped: {type(e).__name__}: {str(e)[:200]}"
         log("# " + msg)

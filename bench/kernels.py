@@ -20,7 +20,6 @@ import datetime as dt
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -34,41 +33,16 @@ from uacompile import ir
 
 sys.path.insert(0, str(Path(__file__).parent))
 import attention_bench  # noqa: E402
-from timing import copy_ceiling_gbps, time_graphs  # noqa: E402
+from timing import copy_ceiling_gbps, time_eager, time_graphs  # noqa: E402
 from attention_bench import spin_up_clocks  # noqa: E402
 
 GB = 1e9
 
 
-# ---------------------------------------------------------------- timing
-def time_ms(fn, iters: int = 20, repeats: int = 5, warmup: int = 3, graph: bool = False) -> float:
-    """Median over `repeats` of the mean time of `iters` back-to-back calls (CUDA events).
-    graph=True times replays of one CUDA graph of the `iters` calls (time_graphs), so Python
-    and launch gaps do not count (what a serving step with CUDA graphs sees). Without a graph,
-    the first call of each sample waits for Python after the start event: use it only where
-    one call is long against a launch (or cannot be captured)."""
-    if graph:
-        return time_graphs({"": fn}, calls=iters, rounds=repeats)[""].ms
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) / iters)
-    return statistics.median(samples)
-
-
 @dataclass
 class BenchContext:
-    """What a rows function gets: the timer, the measured ceilings, and the run's options."""
+    """What a rows function gets: the measured ceilings and the run's options."""
 
-    time_ms: object = time_ms
     copy_gbps: float = 0.0  # device-to-device copy ceiling, bytes read + written
     quick: bool = False
     gpu: str = ""
@@ -185,7 +159,7 @@ def copy_blocks_rows(ctx: BenchContext) -> list[dict]:
         page_bytes = P * Hkv * D * kv.element_size() + (P * Hkv * 4 if quant else 0)
         nbytes = 2 * L * 2 * pairs * page_bytes  # read + write
         shape = f"L={L} pairs={pairs} P={P} Hkv={Hkv} D={D} {dt_kv}"
-        ms = time_ms(lambda: api.copy_blocks(kv, mapping, scales), iters=10)
+        ms = time_eager(lambda: api.copy_blocks(kv, mapping, scales), iters=10)
         rows.append(row("copy_blocks", shape, "uacompile (1 launch)", gbps=nbytes / ms / 1e6, ms=ms,
                         pct_ceiling=100 * nbytes / ms / 1e6 / ctx.copy_gbps))
         src, dst = mapping[:, 0], mapping[:, 1]
@@ -195,7 +169,7 @@ def copy_blocks_rows(ctx: BenchContext) -> list[dict]:
             if quant:
                 scales[:, :, dst] = scales[:, :, src]
 
-        ms = time_ms(torch_copy, iters=10)
+        ms = time_eager(torch_copy, iters=10)
         rows.append(row("copy_blocks", shape, "torch kv[:,:,dst] = kv[:,:,src]", gbps=nbytes / ms / 1e6, ms=ms,
                         pct_ceiling=100 * nbytes / ms / 1e6 / ctx.copy_gbps))
         del kv, scales
@@ -221,10 +195,10 @@ def swap_rows(ctx: BenchContext) -> list[dict]:
         ("d2h", lambda: api.swap_blocks(dev, host, m), lambda: flat_host.copy_(flat_dev, non_blocking=True)),
         ("h2d", lambda: api.swap_blocks(host, dev, m_in), lambda: flat_dev.copy_(flat_host, non_blocking=True)),
     ]:
-        ms_memcpy = time_ms(memcpy, iters=5)
+        ms_memcpy = time_eager(memcpy, iters=5)
         ref_gbps = nbytes / ms_memcpy / 1e6
         rows.append(row("swap_blocks", f"{direction} {shape}", "pinned cudaMemcpy, contiguous (ceiling)", gbps=ref_gbps, ms=ms_memcpy))
-        ms = time_ms(ours, iters=5)
+        ms = time_eager(ours, iters=5)
         rows.append(row("swap_blocks", f"{direction} {shape}", "uacompile (1 launch, zero-copy)",
                         gbps=nbytes / ms / 1e6, ms=ms, pct_memcpy=100 * ms_memcpy / ms))
     # vLLM's swap_blocks: one cudaMemcpyAsync per block and layer (timed with Python's launches)
@@ -236,7 +210,7 @@ def swap_rows(ctx: BenchContext) -> list[dict]:
                 for s, d in zip(src_idx, dst_idx):
                     host[layer, kv, d].copy_(dev[layer, kv, s], non_blocking=True)
 
-    ms = time_ms(per_block, iters=1, repeats=3, warmup=1)
+    ms = time_eager(per_block, iters=1, repeats=3, warmup=1)
     rows.append(row("swap_blocks", f"d2h {shape}", "torch copy_ per block (vLLM-style)", gbps=nbytes / ms / 1e6, ms=ms))
     del dev, host, flat_dev, flat_host
     return rows

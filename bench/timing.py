@@ -67,23 +67,31 @@ def time_ms(fns, calls_per_fn: int = 1, reps: int = 7) -> float:
     return time_graphs({"": fns}, calls=calls_per_fn, rounds=reps)[""].ms
 
 
-def copy_ceiling_gbps(nbytes: int = 1 << 30, iters: int = 10, repeats: int = 5) -> tuple[float, float]:
-    """(GB/s, ms) of one device-to-device torch copy_ of nbytes (read + written): the ceiling the
-    bandwidth rows are read against. The source is random (no compressible zeros). Timed with
-    events around eager calls, not a graph: captured, the copy becomes a memcpy node that the H200
-    ran at 2.77 TB/s against 4.26 eager (session 5), below our own kernels."""
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
+def time_eager(fn, iters: int = 20, repeats: int = 5, warmup: int = 3) -> float:
+    """Median over `repeats` of the mean ms of `iters` back-to-back eager calls (CUDA events), for
+    what a graph cannot hold or would change (host copies, the copy ceiling). The first call of each
+    sample waits for Python after the start event: use it only where one call is long against a launch."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(iters):
-            dst.copy_(src)
+            fn()
         b.record()
         b.synchronize()
         samples.append(a.elapsed_time(b) / iters)
-    ms = statistics.median(samples)
+    return statistics.median(samples)
+
+
+def copy_ceiling_gbps(nbytes: int = 1 << 30, iters: int = 10, repeats: int = 5) -> tuple[float, float]:
+    """(GB/s, ms) of one device-to-device torch copy_ of nbytes (read + written): the ceiling the
+    bandwidth rows are read against. The source is random (no compressible zeros). Timed eagerly,
+    not in a graph: captured, the copy becomes a memcpy node that the H200 ran at 2.77 TB/s against
+    4.26 eager (session 5), below our own kernels."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_eager(lambda: dst.copy_(src), iters, repeats)
     return 2 * nbytes / ms / 1e6, ms
