@@ -226,3 +226,20 @@ def test_designs_build_side_by_side_and_a_bad_one_is_reported():
     assert built["flagged"].path not in (built["production"].path, built["waves1"].path)  # nvcc flags after "|"
     assert isinstance(built["bad"], Exception) and "unknown knobs" in build_failure(built["bad"])
     assert build_failure(built["bad"]).startswith("build: ")
+
+
+def test_an_invalid_op_in_a_design_build_comes_back_as_its_ir_error():
+    """A build worker that raises IRError (a rule the op breaks) reports it: the error pickles with
+    its field and rule instead of breaking the process pool for every design."""
+    import pickle
+
+    from uacompile.targets.cuda.loader import load_designs
+    from uacompile.targets.cuda.render import RC_DESIGN_ENV
+
+    err = pickle.loads(pickle.dumps(ir.IRError("paged_attention.num_splits", "must be >= 1")))
+    assert (err.field, err.rule, str(err)) == ("paged_attention.num_splits", "must be >= 1",
+                                               "paged_attention.num_splits: must be >= 1")
+    bad = ir.PagedAttention(8, 2, 128, 16, "bf16", "bf16", variant="unified_masked", num_splits=7, fused_merge=True)
+    built = load_designs(RC_DESIGN_ENV, {"a": "", "b": "waves=1"}, [bad], "sm_90")
+    for e in built.values():
+        assert isinstance(e, ir.IRError) and "unified_masked is built with num_splits=1" in str(e)
