@@ -121,6 +121,23 @@ def test_attention_load_hint_switches_compile(flags, monkeypatch):
     assert switched.exists() and switched != plain
 
 
+@pytest.mark.parametrize("op", [
+    ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16", item_queue=True),  # the benchmarks' launch (dynamic queue)
+    ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16", num_splits=3, fused_merge=True),  # static, fused merge
+    ir.PagedAttention(8, 2, 64, 8, "fp16", "fp16", window=9, softcap=5.0, alibi=True, num_splits=2),  # MASK, not PLAIN
+])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # the wgmma consumer loop; the mma.sync path's softmax_core
+def test_attention_lean_softmax_switch_compiles(op, arch, monkeypatch):
+    """The experiment switch -DUA_SOFTMAX_LEAN (bench/NOTES-attention.md v21) builds on both paths and
+    changes the cache key."""
+    from uacompile.targets.cuda.build import build
+
+    plain = build(op, arch).path
+    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_SOFTMAX_LEAN")
+    switched = build(op, arch).path
+    assert switched.exists() and switched != plain
+
+
 def test_cache_key_follows_variant_and_arch():
     from uacompile.targets.cuda.build import build
 

@@ -13,6 +13,8 @@ which variants take the path and that both archs render what they should.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import zlib
 
 import numpy as np
@@ -318,6 +320,64 @@ def test_dynamic_two_streams(api, dynamic_knob):
         check_case(f"stream{i}", op, {"out": out, "lse": lse}, ref)
         assert not queue.any(), f"stream {i}'s item queue must be zero after its launches"
 
+
+
+# ---------------------------------------------------------------- experiment switch -DUA_SOFTMAX_LEAN (NOTES v21)
+LEAN_FLAGS = "-DUA_SOFTMAX_LEAN"
+# the benchmarks' shape, D 64 (6 stages: the stage cursor wraps at another count), the masked and scaled
+# softmax (window + softcap: the MASK path, not PLAIN), split-KV with ALiBi
+LEAN_CASES = ["bf16-d128-g4-p16", "fp16-d64-g4-p16", "bf16-d64-g8-p128-window-softcap", "fp16-d128-alibi-split3"]
+_lean_kernels: dict = {}  # the kernels built with the switch, kept across tests apart from the production ones
+
+
+@contextlib.contextmanager
+def lean_build(api):
+    """api.kernel() builds and loads the variants with -DUA_SOFTMAX_LEAN inside (the nvcc flags are part
+    of the build key; api._kernels caches by op only, so it is swapped), production kernels after."""
+    saved, old = dict(api._kernels), os.environ.get("UACOMPILE_NVCC_FLAGS")
+    os.environ["UACOMPILE_NVCC_FLAGS"] = LEAN_FLAGS
+    api._kernels.clear()
+    api._kernels.update(_lean_kernels)
+    try:
+        yield api
+    finally:
+        _lean_kernels.update(api._kernels)
+        api._kernels.clear()
+        api._kernels.update(saved)
+        if old is None:
+            os.environ.pop("UACOMPILE_NVCC_FLAGS")
+        else:
+            os.environ["UACOMPILE_NVCC_FLAGS"] = old
+
+
+@pytest.fixture
+def lean_api(api):
+    with lean_build(api) as lean:
+        yield lean
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("name", LEAN_CASES)
+def test_lean_softmax_matches_reference(lean_api, rng, name, shape):
+    """The lean consumer loop (stage cursor, tile-index mask test, straight-line rescale) against the
+    float64 reference, as test_wgmma_prefill_matches_reference."""
+    test_wgmma_prefill_matches_reference(lean_api, rng, name, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("queue", [False, True])
+def test_lean_softmax_same_bits_as_production(api, queue):
+    """The switch changes instructions, not values: m, the exp2 arguments and l are the same floats
+    (ex2(0) = 1 exactly where production skips the rescale), so the output is bit for bit production's,
+    static and dynamic schedule, on a case whose blocks take several items."""
+    op = dyn(PRODUCTION) if queue else PRODUCTION
+    inputs, ref = cached_case("items/bf16-d128-g4-p16", PRODUCTION, prompts_for_items(PRODUCTION, 3))
+    want = launch(api, op, inputs)
+    with lean_build(api) as lean:
+        got = launch(lean, op, inputs)
+    check_case("lean", PRODUCTION, got, ref)
+    assert_same("lean", got, want)
 
 # ---------------------------------------------------------------- CPU
 @pytest.mark.parametrize("op, hopper", [
