@@ -128,12 +128,12 @@ def test_attention_load_hint_switches_compile(flags, monkeypatch):
 ])
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # the wgmma consumer loop; the mma.sync path's softmax_core
 def test_attention_lean_softmax_switch_compiles(op, arch, monkeypatch):
-    """The experiment switch -DUA_SOFTMAX_LEAN (bench/NOTES-attention.md v21) builds on both paths and
-    changes the cache key."""
+    """-DUA_SOFTMAX_LEAN=0 (the loop before the lean softmax, bench/NOTES-attention.md v21) builds on
+    both paths and changes the cache key."""
     from uacompile.targets.cuda.build import build
 
     plain = build(op, arch).path
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_SOFTMAX_LEAN")
+    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_SOFTMAX_LEAN=0")
     switched = build(op, arch).path
     assert switched.exists() and switched != plain
 
