@@ -17,7 +17,9 @@ SDPA first; the exit status is 1 when one differs.
 --candidates: the template's decode design knobs (attention.DESIGN_KNOBS; CANDIDATES below), each
 built in its own spawned process (attention.load_designs), timed on CANDIDATE_SHAPES at the auto
 split with the fused merge: one table of GB/s (us) a candidate and shape, torch SDPA as the last
-row, and the change in us against the production build ("default") per cell.
+row, and the change in us against the production build ("default") per cell; CANDIDATE_QUANT_SHAPES
+adds int8 / fp8 KV rows (GB/s of 1-byte elements + scales; checked against SDPA on the dequantised
+caches, not timed against it).
 """
 from __future__ import annotations
 
@@ -56,8 +58,11 @@ CANDIDATES = {
     "no-l2-hint": "|-DUA_CP_L2_PREFETCH=0",
     "l2-256": "|-DUA_CP_L2_PREFETCH=256",
     "evict-first": "|-DUA_CP_EVICT_FIRST",
+    "quant-fast": "|-DUA_QUANT_FAST",  # quantised decode on the raw K/V stage (NOTES v22)
 }
 CANDIDATE_SHAPES = [(1, 32768), (1, 4096), (8, 16384), (32, 4096), (128, 1024)]
+# (kv_dtype, B, L) rows the candidates are timed on too: GB/s counts 1-byte elements + the scales
+CANDIDATE_QUANT_SHAPES = [(kv, B, L) for kv in ("int8", "fp8_e4m3") for B, L in [(8, 16384), (1, 32768)]]
 
 
 def auto_splits(op, B: int, L: int) -> int:
@@ -216,29 +221,45 @@ def summary(rows) -> list[str]:
     return out
 
 
-def candidate_ops(shapes) -> dict:
-    """{(B, L): (op, splits)}: the op each shape launches at its auto split (fused merge)."""
-    op = ab.op_of()
+def candidate_ops(shapes, quant_shapes=()) -> dict:
+    """{(kv_dtype, B, L): (op, splits)}: the op each shape launches at its auto split (fused merge)."""
     out = {}
-    for B, L in shapes:
+    for kv, B, L in [(ab.op_of().kv_dtype, B, L) for B, L in shapes] + list(quant_shapes):
+        op = ab.op_of().replace(kv_dtype=kv)
         s = auto_splits(op, B, L)
-        out[(B, L)] = (op.replace(num_splits=s, fused_merge=True) if s > 1 else op, s)
+        out[(kv, B, L)] = (op.replace(num_splits=s, fused_merge=True) if s > 1 else op, s)
     return out
+
+
+def quantize_batch(b, kv_dtype: str) -> None:
+    """b's K/V caches quantised in place (per (position, head) scales, as reshape_and_cache stores
+    them); b.scales holds the scales, b.dequantized the dequantised 16-bit caches (for a reference)."""
+    b.scales, b.dequantized = {}, {}
+    for name in ("k", "v"):
+        x = getattr(b, f"{name}_cache").float()
+        scale = (x.abs().amax(-1) / ir.QMAX[kv_dtype]).clamp_min(1e-8)
+        y = x / scale[..., None]
+        q = y.round().clamp(-127, 127).to(torch.int8) if kv_dtype == "int8" else y.clamp(-448, 448).to(torch.float8_e4m3fn)
+        setattr(b, f"{name}_cache", q)
+        b.scales[f"{name}_scale"] = scale.contiguous()
+        b.dequantized[name] = (q.float() * scale[..., None]).to(ab.DTYPE)
+    b.kv_bytes_quant = 2 * b.B * b.L * ab.HKV * (ab.D + 4)
 
 
 def candidate_call(kern, op, splits: int, b) -> None:
     """One launch of a candidate's kernel, with paged_attention()'s per-stream workspaces."""
+    scales = getattr(b, "scales", {})  # quantised KV
     if splits == 1:
-        kern(**b.args(), out=b.out)
+        kern(**b.args(), **scales, out=b.out)
         return
     stream = torch.cuda.current_stream(b.q.device).cuda_stream
     o_part, lse_part = attention._workspace(b.q.device, stream, splits, b.q.shape[0], ab.HQ, ab.D)
     counters = attention._split_counters(b.q.device, stream, b.q.shape[0], ab.HKV)
-    kern(**b.args(), o_partial=o_part, lse_partial=lse_part, split_counters=counters, out=b.out)
+    kern(**b.args(), **scales, o_partial=o_part, lse_partial=lse_part, split_counters=counters, out=b.out)
 
 
 def candidates_main(names: list[str], json_path: str | None, build_only: bool = False) -> int:
-    ops = candidate_ops(CANDIDATE_SHAPES)
+    ops = candidate_ops(CANDIDATE_SHAPES, CANDIDATE_QUANT_SHAPES)
     t0 = time.perf_counter()
     libs = attention.load_designs({n: CANDIDATES[n] for n in names}, [op for op, _ in ops.values()])
     print(f"# built {len(names)} candidates in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -249,14 +270,28 @@ def candidates_main(names: list[str], json_path: str | None, build_only: bool = 
     failed = {n: build_failure(v) for n, v in libs.items() if isinstance(v, Exception)}
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for (B, L), (op, splits) in ops.items():
+    for (kv, B, L), (op, splits) in ops.items():
         batches = ab.decode_batches(B, L, gen)
+        quant = op.quantized
+        for b in batches if quant else ():
+            quantize_batch(b, kv)
         b0 = batches[0]
-        calls = replay_calls(b0.kv_bytes)
-        k, v = b0.contiguous_kv()
-        want = ab.sdpa(b0.q_bhld(), k, v, False).transpose(1, 2).reshape(b0.q.shape).float()
-        del k, v
-        shape = f"{B}x{L}"
+        kv_bytes = b0.kv_bytes_quant if quant else b0.kv_bytes
+        calls = replay_calls(kv_bytes)
+        if quant:  # the reference: SDPA on the dequantised caches
+            k, v = b0.k_cache, b0.v_cache
+            b0.k_cache, b0.v_cache = b0.dequantized["k"], b0.dequantized["v"]
+            kd, vd = b0.contiguous_kv()
+            b0.k_cache, b0.v_cache = k, v
+            want = ab.sdpa(b0.q_bhld(), kd, vd, False).transpose(1, 2).reshape(b0.q.shape).float()
+            del kd, vd
+            for b in batches:
+                del b.dequantized
+        else:
+            k, v = b0.contiguous_kv()
+            want = ab.sdpa(b0.q_bhld(), k, v, False).transpose(1, 2).reshape(b0.q.shape).float()
+            del k, v
+        shape = f"{B}x{L}" + (f" {kv}" if quant else "")
         fns = {}
         for n in names:
             if n in failed:
@@ -270,11 +305,12 @@ def candidates_main(names: list[str], json_path: str | None, build_only: bool = 
             rows.append(dict(shape=shape, candidate=n, splits=splits, max_diff=diff, ok=diff <= TOLERANCE,
                              check="ok" if diff <= TOLERANCE else f"max diff {diff:.3g} vs SDPA"))
             fns[len(rows) - 1] = [lambda b=b, call=call: call(b) for b in batches]
-        kc = [b.contiguous_kv() for b in batches]
-        rows.append(dict(shape=shape, candidate="torch SDPA contiguous", splits=0, ok=True, check="ok"))
-        fns[len(rows) - 1] = [lambda b=b, kv=kv: ab.sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)]
+        kc = [] if quant else [b.contiguous_kv() for b in batches]  # quantised rows: the candidates only
+        if not quant:
+            rows.append(dict(shape=shape, candidate="torch SDPA contiguous", splits=0, ok=True, check="ok"))
+            fns[len(rows) - 1] = [lambda b=b, kv=kv: ab.sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)]
         for i, t in ab.time_graphs(fns, calls, rounds=ab.ROUNDS).items():  # candidates and SDPA interleaved
-            rows[i].update(us=round(t.ms * 1e3, 2), gbps=round(b0.kv_bytes / t.ms / 1e6, 1))
+            rows[i].update(us=round(t.ms * 1e3, 2), gbps=round(kv_bytes / t.ms / 1e6, 1))
         del kc, batches, b0
         torch.cuda.empty_cache()
         print(f"# {shape} done at {time.perf_counter() - t0:.1f} s", flush=True)

@@ -138,6 +138,28 @@ def test_attention_lean_softmax_switch_compiles(op, arch, monkeypatch):
     assert switched.exists() and switched != plain
 
 
+QUANT_FAST_OPS = [  # every quantised decode shape the raw-stage path takes (D 64, 128, 256) and one it leaves (D 80)
+    PA(32, 8, 128, 16, "bf16", "int8", num_splits=4, fused_merge=True, return_lse=True),
+    PA(32, 8, 128, 16, "fp16", "fp8_e4m3"), PA(16, 2, 64, 32, "bf16", "fp8_e4m3", num_splits=3, fused_merge=True),
+    PA(8, 8, 64, 16, "fp16", "int8", window=64, softcap=10.0, alibi=True, return_lse=True),
+    PA(8, 2, 128, 16, "bf16", "fp8_e4m3", variant="unified_masked"), PA(8, 2, 256, 16, "bf16", "int8"),
+    PA(8, 8, 80, 256, "bf16", "fp8_e4m3", window=128),
+]
+
+
+@pytest.mark.skipif(not HAVE_ATTENTION, reason="targets/cuda/attention.py not written yet")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_quant_fast_switch_compiles(arch, monkeypatch):
+    """-DUA_QUANT_FAST (quantised decode on the raw K/V stage, bench/NOTES-attention.md v22) builds
+    for int8 and fp8 KV on both paths, and changes the cache key."""
+    from uacompile.targets.cuda.build import build
+
+    plain = build(QUANT_FAST_OPS[:2], arch).path
+    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_QUANT_FAST")
+    switched = build(QUANT_FAST_OPS, arch).path
+    assert switched.exists() and switched != plain
+
+
 def test_cache_key_follows_variant_and_arch():
     from uacompile.targets.cuda.build import build
 
