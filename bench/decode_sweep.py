@@ -58,7 +58,8 @@ CANDIDATES = {
     "no-l2-hint": "|-DUA_CP_L2_PREFETCH=0",
     "l2-256": "|-DUA_CP_L2_PREFETCH=256",
     "evict-first": "|-DUA_CP_EVICT_FIRST",
-    "quant-fast": "|-DUA_QUANT_FAST",  # quantised decode on the raw K/V stage (NOTES v22)
+    "lean-off": "|-DUA_SOFTMAX_LEAN=0",  # the softmax before v21 (decode warps share softmax_core)
+    "quant-dequant": "|-DUA_QUANT_FAST=0",  # quantised decode through the smem dequantising pass (before v22)
 }
 CANDIDATE_SHAPES = [(1, 32768), (1, 4096), (8, 16384), (32, 4096), (128, 1024)]
 # (kv_dtype, B, L) rows the candidates are timed on too: GB/s counts 1-byte elements + the scales

@@ -150,14 +150,15 @@ QUANT_FAST_OPS = [  # every quantised decode shape the raw-stage path takes (D 6
 @pytest.mark.skipif(not HAVE_ATTENTION, reason="targets/cuda/attention.py not written yet")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_quant_fast_switch_compiles(arch, monkeypatch):
-    """-DUA_QUANT_FAST (quantised decode on the raw K/V stage, bench/NOTES-attention.md v22) builds
-    for int8 and fp8 KV on both paths, and changes the cache key."""
+    """Quantised decode on the raw K/V stage (production, bench/NOTES-attention.md v22) and the
+    dequantising pass (-DUA_QUANT_FAST=0) build for int8 and fp8 KV on both paths; the flag changes
+    the cache key."""
     from uacompile.targets.cuda.build import build
 
-    plain = build(QUANT_FAST_OPS[:2], arch).path
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_QUANT_FAST")
-    switched = build(QUANT_FAST_OPS, arch).path
-    assert switched.exists() and switched != plain
+    fast = build(QUANT_FAST_OPS, arch).path
+    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_QUANT_FAST=0")
+    dequant = build(QUANT_FAST_OPS[:2], arch).path
+    assert fast.exists() and dequant.exists() and dequant != fast
 
 
 def test_cache_key_follows_variant_and_arch():

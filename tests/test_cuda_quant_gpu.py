@@ -1,8 +1,8 @@
-"""Quantised-KV decode with the experiment switch -DUA_QUANT_FAST (bench/NOTES-attention.md v22).
+"""Quantised-KV decode on the raw 8-bit K/V stage (production since v22, bench/NOTES-attention.md).
 
-The switch makes decode warps attend the raw 8-bit K/V stage directly (register conversion, scales
-applied to the scores and to P). Each op is built with the switch in its own spawned process
-(attention.load_designs, "|flags") and checked against the float64 reference: int8 and fp8_e4m3 KV,
+Decode warps attend the raw 8-bit K/V stage directly (register conversion, scales applied to the
+scores and to P); -DUA_QUANT_FAST=0 builds the earlier dequantising pass. Each design is built in its
+own spawned process (attention.load_designs, "|flags") and checked against the float64 reference: int8 and fp8_e4m3 KV,
 fp16 and bf16 q, head_dim 64 and 128, kv lengths 1, page edges and long, 1 and several splits (fused
 merge), mixed ubatches with prefill chunks (whose tiles keep the dequantising path). Outputs are
 poisoned with NaN (run_fused).
@@ -20,7 +20,7 @@ from test_cuda_decode_gpu import MIXED, check_outputs, fused, run_fused  # noqa:
 
 gpu = pytest.mark.gpu
 PA = ir.PagedAttention
-QUANT_FAST = {"quant-fast": "|-DUA_QUANT_FAST"}
+DESIGNS = {"fast": "", "dequant": "|-DUA_QUANT_FAST=0"}  # production; the pass before v22
 
 OPS = {
     "int8-bf16-d128-g4": PA(32, 8, 128, 16, "bf16", "int8", return_lse=True),
@@ -49,16 +49,22 @@ def _ops():
 
 
 @pytest.fixture(scope="module")
-def quant_fast():
-    """kernel_of(op) from the library built with -DUA_QUANT_FAST."""
+def quant_libs():
+    """{design: kernel_of(op)}, each design's library built in its own process."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from uacompile.targets.cuda import api as cuda_api
 
-    lib = attention.load_designs(QUANT_FAST, _ops())["quant-fast"]
-    if isinstance(lib, Exception):
-        raise lib
-    return lambda op: cuda_api.CudaKernel(op, library=lib)
+    libs = attention.load_designs(DESIGNS, _ops())
+    for lib in libs.values():
+        if isinstance(lib, Exception):
+            raise lib
+    return {name: (lambda op, lib=lib: cuda_api.CudaKernel(op, library=lib)) for name, lib in libs.items()}
+
+
+@pytest.fixture(scope="module")
+def quant_fast(quant_libs):
+    return quant_libs["fast"]
 
 
 def check(kernel_of, name, op, splits, inputs):
@@ -71,9 +77,10 @@ def check(kernel_of, name, op, splits, inputs):
 @gpu
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("name", list(OPS))
-def test_quant_fast_decode_matches_reference(quant_fast, rng, name, splits):
+@pytest.mark.parametrize("design", list(DESIGNS))
+def test_quant_decode_matches_reference(quant_libs, rng, design, name, splits):
     op = OPS[name]
-    check(quant_fast, name, op, splits, testing.attention_inputs(op, rng, DECODE_LENS))
+    check(quant_libs[design], f"{design}/{name}", op, splits, testing.attention_inputs(op, rng, DECODE_LENS))
 
 
 @gpu
