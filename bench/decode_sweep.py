@@ -57,7 +57,6 @@ CANDIDATES = {
     # after "|": nvcc flags (the template's experiment switches; NOTES v18)
     "no-l2-hint": "|-DUA_CP_L2_PREFETCH=0",
     "l2-256": "|-DUA_CP_L2_PREFETCH=256",
-    "evict-first": "|-DUA_CP_EVICT_FIRST",
     "lean-off": "|-DUA_SOFTMAX_LEAN=0",  # the softmax before v21 (decode warps share softmax_core)
     "quant-dequant": "|-DUA_QUANT_FAST=0",  # quantised decode through the smem dequantising pass (before v22)
 }

@@ -108,7 +108,7 @@ def test_reshape_sweep_candidates_compile(name, monkeypatch):
     assert build(CACHE_OP_VARIANTS["reshape_and_cache"], "sm_90").path.exists()
 
 
-@pytest.mark.parametrize("flags", ["-DUA_CP_L2_PREFETCH=0", "-DUA_CP_L2_PREFETCH=256 -DUA_CP_EVICT_FIRST"])
+@pytest.mark.parametrize("flags", ["-DUA_CP_L2_PREFETCH=0", "-DUA_CP_L2_PREFETCH=256"])
 def test_attention_load_hint_switches_compile(flags, monkeypatch):
     """The K/V load hint experiment switches (UACOMPILE_NVCC_FLAGS, bench/NOTES-attention.md v18) still
     build and change the cache key."""
