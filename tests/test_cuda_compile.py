@@ -138,6 +138,24 @@ def test_attention_lean_softmax_switch_compiles(op, arch, monkeypatch):
     assert switched.exists() and switched != plain
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # the wgmma item loop and producers; the mma.sync path's runs
+def test_prefill_item_switch_compiles(arch, monkeypatch):
+    """-DUA_PREFILL_ITEM (less fixed cost a prefill item, bench/NOTES-attention.md v23; default off) builds
+    the dynamic and static Hopper schedules, the masked and scaled softmax at D 64, and the mma.sync
+    path, and changes the cache key."""
+    from uacompile.targets.cuda.build import build
+
+    ops = [
+        PA(32, 8, 128, 16, "bf16", "bf16", item_queue=True),  # the benchmarks' launch (dynamic queue)
+        PA(32, 8, 128, 16, "bf16", "bf16", num_splits=3, fused_merge=True, return_lse=True, item_queue=True),
+        PA(8, 2, 64, 8, "fp16", "fp16", window=9, softcap=5.0, alibi=True, num_splits=2),  # static, MASK, not PLAIN
+    ]
+    plain = build(ops, arch).path
+    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_ITEM")
+    switched = build(ops, arch).path
+    assert switched.exists() and switched != plain
+
+
 QUANT_FAST_OPS = [  # every quantised decode shape the raw-stage path takes (D 64, 128, 256) and one it leaves (D 80)
     PA(32, 8, 128, 16, "bf16", "int8", num_splits=4, fused_merge=True, return_lse=True),
     PA(32, 8, 128, 16, "fp16", "fp8_e4m3"), PA(16, 2, 64, 32, "bf16", "fp8_e4m3", num_splits=3, fused_merge=True),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -328,27 +329,37 @@ LEAN_FLAGS = "-DUA_SOFTMAX_LEAN=0"
 # the benchmarks' shape, D 64 (6 stages: the stage cursor wraps at another count), the masked and scaled
 # softmax (window + softcap: the MASK path, not PLAIN), split-KV with ALiBi
 LEAN_CASES = ["bf16-d128-g4-p16", "fp16-d64-g4-p16", "bf16-d64-g8-p128-window-softcap", "fp16-d128-alibi-split3"]
-_lean_kernels: dict = {}  # the kernels built with LEAN_FLAGS, kept across tests apart from the production ones
+_switch_kernels: dict = {}  # nvcc flags -> the kernels built with them, kept across tests apart from the production ones
 
 
 @contextlib.contextmanager
-def lean_build(api):
-    """api.kernel() builds and loads the variants with -DUA_SOFTMAX_LEAN=0 inside (the nvcc flags are part
-    of the build key; api._kernels caches by op only, so it is swapped), production kernels after."""
+def switch_build(api, flags, prebuild=()):
+    """api.kernel() builds and loads the variants with the nvcc flags inside (the flags are part of the
+    build key; api._kernels caches by op only, so it is swapped), production kernels after. prebuild:
+    ops built on entry, in parallel (an nvcc run each), if not built yet."""
     saved, old = dict(api._kernels), os.environ.get("UACOMPILE_NVCC_FLAGS")
-    os.environ["UACOMPILE_NVCC_FLAGS"] = LEAN_FLAGS
+    kept = _switch_kernels.setdefault(flags, {})
+    os.environ["UACOMPILE_NVCC_FLAGS"] = flags
     api._kernels.clear()
-    api._kernels.update(_lean_kernels)
+    api._kernels.update(kept)
     try:
+        missing = [op for op in dict.fromkeys(prebuild) if (op, None) not in api._kernels]
+        with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
+            list(pool.map(api.kernel, missing))
         yield api
     finally:
-        _lean_kernels.update(api._kernels)
+        kept.update(api._kernels)
         api._kernels.clear()
         api._kernels.update(saved)
         if old is None:
             os.environ.pop("UACOMPILE_NVCC_FLAGS")
         else:
             os.environ["UACOMPILE_NVCC_FLAGS"] = old
+
+
+def lean_build(api):
+    """The variants with -DUA_SOFTMAX_LEAN=0 (the loop before the lean softmax)."""
+    return switch_build(api, LEAN_FLAGS)
 
 
 @pytest.fixture
@@ -379,6 +390,68 @@ def test_softmax_lean_off_same_bits_as_production(api, queue):
         got = launch(lean, op, inputs)
     check_case("lean-off", PRODUCTION, got, ref)
     assert_same("lean-off", got, want)
+
+
+# ------------------------------------------- less fixed cost a prefill item, -DUA_PREFILL_ITEM (NOTES v23)
+# An experiment switch (default off): runs found by ballot, Q prefetched into L2 by the V producer and staged
+# by cp.async under the rows' range reads, a run's last tile at half width when its second half is masked in
+# every row. The values are production's: the same runs, Q, scores, maxima, sums and O (the skipped half
+# tile only ever added P = 0).
+ITEM_FLAGS = "-DUA_PREFILL_ITEM"
+# the benchmarks' shape, D 64 (6 stages), the masked and scaled softmax (window + softcap), split-KV with ALiBi
+ITEM_CASES = ["bf16-d128-g4-p16", "fp16-d64-g4-p16", "bf16-d64-g8-p128-window-softcap", "fp16-d128-alibi-split3"]
+# the dynamic schedule, several items a block: the production op static and dynamic, its split-KV with the
+# fused merge per item, D 64; a mixed ubatch (many decode tokens: runs of one token among longer ones)
+ITEM_SAME_BITS = {"static": PRODUCTION, "dynamic": dyn(PRODUCTION), "dynamic-s3": dyn(fused(PRODUCTION, 3)),
+                  "dynamic-d64": dyn(SMALL)}
+ITEM_MIXED_SPLITS = (1, 16)
+ITEM_OPS = ([WG_CASES[n] for n in ITEM_CASES] + list(ITEM_SAME_BITS.values())
+            + [dyn(fused(SMALL, s)) for s in ITEM_MIXED_SPLITS])
+
+
+@pytest.fixture
+def item_api(api):
+    with switch_build(api, ITEM_FLAGS, prebuild=ITEM_OPS) as item:
+        yield item
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("name", ITEM_CASES)
+def test_prefill_item_matches_reference(item_api, rng, name, shape):
+    """-DUA_PREFILL_ITEM against the float64 reference, as test_wgmma_prefill_matches_reference (static
+    schedule: long runs whose last tile is half or whole, chunks, many short runs a tile, mixed)."""
+    test_wgmma_prefill_matches_reference(item_api, rng, name, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(ITEM_SAME_BITS))
+def test_prefill_item_same_bits_as_production(api, case):
+    """-DUA_PREFILL_ITEM changes the work, not the values: bit for bit production's output (and the
+    reference's values) on a case whose blocks take 3 items or more."""
+    op = ITEM_SAME_BITS[case]
+    base = op.replace(num_splits=1, fused_merge=False, item_queue=False)
+    inputs, ref = cached_case(f"items/{'bf16-d128-g4-p16' if base == PRODUCTION else 'fp16-d64-g4-p16'}", base,
+                              prompts_for_items(base, 3))
+    want = launch(api, op, inputs)
+    with switch_build(api, ITEM_FLAGS, prebuild=ITEM_OPS) as item:
+        got = launch(item, op, inputs)
+    check_case(f"item/{case}", base, got, ref)
+    assert_same(f"item/{case}", got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", ITEM_MIXED_SPLITS)
+def test_prefill_item_mixed_ubatch(api, splits):
+    """A mixed ubatch (300 decode tokens around prompts and a chunk): tiles with several runs and lone
+    tokens, the decode blocks ahead; bit for bit production's, and the reference."""
+    op = dyn(fused(SMALL, splits))
+    inputs, ref = cached_case("many-decodes", SMALL, many_decodes_mixed(300))
+    want = launch(api, op, inputs)
+    with switch_build(api, ITEM_FLAGS, prebuild=ITEM_OPS) as item:
+        got = launch(item, op, inputs)
+    check_case(f"item-mixed/s{splits}", SMALL, got, ref)
+    assert_same(f"item-mixed/s{splits}", got, want)
 
 # ---------------------------------------------------------------- CPU
 @pytest.mark.parametrize("op, hopper", [
