@@ -57,8 +57,7 @@ CANDIDATES = {
     # after "|": nvcc flags (the template's experiment switches; NOTES v18)
     "no-l2-hint": "|-DUA_CP_L2_PREFETCH=0",
     "l2-256": "|-DUA_CP_L2_PREFETCH=256",
-    "no-prefill-blocks": "|-DUA_PROBE_NO_PREFILL_BLOCKS",  # probe: no prefill blocks in pure decode launches
-    "prefill-item": "|-DUA_PREFILL_ITEM",  # v23 (prefill per-item cost): decode rows must not move
+    "prefill-item-off": "|-DUA_PREFILL_ITEM=0",  # before v23 (prefill per-item cost): decode rows did not move
     "lean-off": "|-DUA_SOFTMAX_LEAN=0",  # the softmax before v21 (decode warps share softmax_core)
     "quant-dequant": "|-DUA_QUANT_FAST=0",  # quantised decode through the smem dequantising pass (before v22)
 }

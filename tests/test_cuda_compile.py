@@ -140,7 +140,7 @@ def test_attention_lean_softmax_switch_compiles(op, arch, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # the wgmma item loop and producers; the mma.sync path's runs
 def test_prefill_item_switch_compiles(arch, monkeypatch):
-    """-DUA_PREFILL_ITEM (less fixed cost a prefill item, bench/NOTES-attention.md v23; default off) builds
+    """-DUA_PREFILL_ITEM=0 (the code before v23's lower per-item cost, bench/NOTES-attention.md) builds
     the dynamic and static Hopper schedules, the masked and scaled softmax at D 64, and the mma.sync
     path, and changes the cache key."""
     from uacompile.targets.cuda.build import build
@@ -151,7 +151,7 @@ def test_prefill_item_switch_compiles(arch, monkeypatch):
         PA(8, 2, 64, 8, "fp16", "fp16", window=9, softcap=5.0, alibi=True, num_splits=2),  # static, MASK, not PLAIN
     ]
     plain = build(ops, arch).path
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_ITEM")
+    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_ITEM=0")
     switched = build(ops, arch).path
     assert switched.exists() and switched != plain
 

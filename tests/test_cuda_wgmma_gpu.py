@@ -392,12 +392,12 @@ def test_softmax_lean_off_same_bits_as_production(api, queue):
     assert_same("lean-off", got, want)
 
 
-# ------------------------------------------- less fixed cost a prefill item, -DUA_PREFILL_ITEM (NOTES v23)
-# An experiment switch (default off): runs found by ballot, Q prefetched into L2 by the V producer and staged
+# ------------------------------- the code before v23's lower per-item cost, -DUA_PREFILL_ITEM=0 (NOTES v23)
+# Production (v23): runs found by ballot, Q prefetched into L2 by the V producer and staged
 # by cp.async under the rows' range reads, a run's last tile at half width when its second half is masked in
-# every row. The values are production's: the same runs, Q, scores, maxima, sums and O (the skipped half
+# every row. The earlier code (ITEM_FLAGS) must give the same values: the same runs, Q, scores, maxima, sums and O (the skipped half
 # tile only ever added P = 0).
-ITEM_FLAGS = "-DUA_PREFILL_ITEM"
+ITEM_FLAGS = "-DUA_PREFILL_ITEM=0"
 # the benchmarks' shape, D 64 (6 stages), the masked and scaled softmax (window + softcap), split-KV with ALiBi
 ITEM_CASES = ["bf16-d128-g4-p16", "fp16-d64-g4-p16", "bf16-d64-g8-p128-window-softcap", "fp16-d128-alibi-split3"]
 # the dynamic schedule, several items a block: the production op static and dynamic, its split-KV with the
@@ -418,16 +418,16 @@ def item_api(api):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("name", ITEM_CASES)
-def test_prefill_item_matches_reference(item_api, rng, name, shape):
-    """-DUA_PREFILL_ITEM against the float64 reference, as test_wgmma_prefill_matches_reference (static
+def test_prefill_item_off_matches_reference(item_api, rng, name, shape):
+    """-DUA_PREFILL_ITEM=0 against the float64 reference, as test_wgmma_prefill_matches_reference (static
     schedule: long runs whose last tile is half or whole, chunks, many short runs a tile, mixed)."""
     test_wgmma_prefill_matches_reference(item_api, rng, name, shape)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(ITEM_SAME_BITS))
-def test_prefill_item_same_bits_as_production(api, case):
-    """-DUA_PREFILL_ITEM changes the work, not the values: bit for bit production's output (and the
+def test_prefill_item_off_same_bits_as_production(api, case):
+    """v23 changes the work, not the values: the earlier code's output bit for bit production's (and the
     reference's values) on a case whose blocks take 3 items or more."""
     op = ITEM_SAME_BITS[case]
     base = op.replace(num_splits=1, fused_merge=False, item_queue=False)
@@ -442,7 +442,7 @@ def test_prefill_item_same_bits_as_production(api, case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", ITEM_MIXED_SPLITS)
-def test_prefill_item_mixed_ubatch(api, splits):
+def test_prefill_item_off_mixed_ubatch(api, splits):
     """A mixed ubatch (300 decode tokens around prompts and a chunk): tiles with several runs and lone
     tokens, the decode blocks ahead; bit for bit production's, and the reference."""
     op = dyn(fused(SMALL, splits))
