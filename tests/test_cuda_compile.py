@@ -4,6 +4,7 @@ API rejects bad arguments with messages naming them (checked before any device w
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shutil
 
@@ -301,3 +302,20 @@ def test_an_invalid_op_in_a_design_build_comes_back_as_its_ir_error():
     built = load_designs(RC_DESIGN_ENV, {"a": "", "b": "waves=1"}, [bad], "sm_90")
     for e in built.values():
         assert isinstance(e, ir.IRError) and "unified_masked is built with num_splits=1" in str(e)
+
+
+def test_benchmark_launches_keep_wgmma_unserialised(tmp_path, monkeypatch):
+    """ptxas serialises wgmma (warning C7511 / C7520) when the consumer's registers run short, which
+    costs the Hopper path its GEMM overlap without any error: the ops paged_attention() launches for
+    the benchmark shapes (one split; the fused split-KV merge) must build without it. nvcc's warnings
+    are kept in the build's build.json."""
+    from uacompile.targets.cuda import attention
+    from uacompile.targets.cuda.build import build
+
+    monkeypatch.setenv("UACOMPILE_CACHE_DIR", str(tmp_path))  # a fresh compile, whose warnings are recorded
+    op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16")
+    ops = [attention.launched_op(op, s, design=attention.design_of("")) for s in (1, 4)]
+    assert all(o.item_queue for o in ops)
+    res = build(ops, "sm_90")
+    warnings = json.loads((res.path.parent / "build.json").read_text())["warnings"]
+    assert not [w for w in warnings if "wgmma" in w], warnings

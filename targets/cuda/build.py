@@ -116,9 +116,11 @@ def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Buil
             msg = (proc.stderr or proc.stdout).strip().splitlines()
             raise BuildError(f"nvcc failed for {[op.symbol() for op in ops]} (source kept at {kept}):\n"
                              + "\n".join(msg[-40:]) + f"\ncommand: {shlex.join(cmd)}")
+        # ptxas' performance warnings (e.g. C7511/C7520: wgmma serialised) stay with the build
+        warnings = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if "warning" in line.lower()]
         (folder / "build.json").write_text(json.dumps(
             dict(ops=[op.to_dict() for op in ops], arch=arch, flags=flags, nvcc=toolchain_versions(nvcc),
-                 seconds=round(time.perf_counter() - started, 3)), indent=1, default=str))
+                 seconds=round(time.perf_counter() - started, 3), warnings=warnings), indent=1, default=str))
 
     folder, hit = cached_build("cuda", key, compile_into)
     return BuildResult(folder / "lib.so", hit, time.perf_counter() - t0, key, arch)
