@@ -157,6 +157,29 @@ def test_prefill_item_switch_compiles(arch, monkeypatch):
     assert switched.exists() and switched != plain
 
 
+@pytest.mark.skipif(not HAVE_ATTENTION, reason="targets/cuda/attention.py not written yet")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # the wgmma consumers' run boundary; the mma.sync path ignores it
+def test_prefill_overlap_switch_compiles(arch, monkeypatch):
+    """-DUA_PREFILL_OVERLAP (a run's last O += P V issued in the next run's first turn, its stores under S(0):
+    bench/NOTES-attention.md v25) builds the dynamic and static Hopper schedules, the masked and scaled softmax at
+    D 64 with split-KV partials, the fused merge (which leaves it off) and the mma.sync path, and changes the
+    cache key; the benchmarks' launches keep their wgmmas unserialised with it (C7511 / C7514 / C7515)."""
+    from uacompile.targets.cuda import attention
+    from uacompile.targets.cuda.build import build
+
+    bench = [attention.launched_op(PA(32, 8, 128, 16, "bf16", "bf16"), s, arch=arch, design=attention.design_of(""))
+             for s in (1, 4)]  # one split (dynamic queue) and the fused merge
+    others = [PA(32, 8, 128, 16, "bf16", "bf16"),  # static
+              PA(8, 2, 64, 8, "fp16", "fp16", window=9, softcap=5.0, alibi=True, num_splits=2, item_queue=True)]
+    plain = build(others, arch).path
+    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_OVERLAP")
+    switched = build(others, arch).path
+    assert switched.exists() and switched != plain
+    res = build(bench, arch)
+    warnings = json.loads((res.path.parent / "build.json").read_text()).get("warnings", [])
+    assert not [w for w in warnings if "wgmma" in w], warnings
+
+
 QUANT_FAST_OPS = [  # every quantised decode shape the raw-stage path takes (D 64, 128, 256) and one it leaves (D 80)
     PA(32, 8, 128, 16, "bf16", "int8", num_splits=4, fused_merge=True, return_lse=True),
     PA(32, 8, 128, 16, "fp16", "fp8_e4m3"), PA(16, 2, 64, 32, "bf16", "fp8_e4m3", num_splits=3, fused_merge=True),

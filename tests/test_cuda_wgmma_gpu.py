@@ -453,6 +453,89 @@ def test_prefill_item_off_mixed_ubatch(api, splits):
     check_case(f"item-mixed/s{splits}", SMALL, got, ref)
     assert_same(f"item-mixed/s{splits}", got, want)
 
+
+# ------------------------------- -DUA_PREFILL_OVERLAP (NOTES v25, candidate): the run boundary overlapped
+# A run's last O += P V is issued in the warpgroup's next run's first turn, ahead of that run's S(0), and the
+# run's rows are stored while S(0) runs; a run that sees no position (split-KV), the fused merge (which leaves the
+# switch off) and the block's end issue it in a turn of its own. Same values: the same GEMMs on the same
+# registers, in another order. The cases: the static schedule against the reference (long runs, chunks, many
+# short runs a tile: runs that follow runs inside a block; split-KV partials with runs that see nothing), and bit
+# for bit production's on blocks that take several items (the boundary crossed between items).
+OVERLAP_FLAGS = "-DUA_PREFILL_OVERLAP"
+OVERLAP_CASES = ITEM_CASES  # the benchmarks' shape, D 64 (6 stages), window + softcap, ALiBi split 3 (partials)
+# window + softcap + ALiBi at D 64, one split: the MASK path and the slopes through the boundary
+WSA = PA(16, 2, 64, 128, "bf16", "bf16", window=300, softcap=15.0, alibi=True, return_lse=True)
+SMALL_PARTIALS = dyn(SMALL.replace(num_splits=3, return_lse=False))  # split-KV without the merge: the switch on
+OVERLAP_SAME_BITS = {"static": PRODUCTION, "dynamic": dyn(PRODUCTION), "dynamic-s3-fused": dyn(fused(PRODUCTION, 3)),
+                     "dynamic-d64": dyn(SMALL), "dynamic-d64-s3-partials": SMALL_PARTIALS,
+                     "dynamic-window-softcap-alibi": dyn(WSA)}
+# the cases' inputs and reference, by name
+OVERLAP_BASES = {"bf16-d128-g4-p16": PRODUCTION, "fp16-d64-g4-p16": SMALL, "window-softcap-alibi": WSA}
+OVERLAP_MIXED = {"dynamic": dyn(SMALL), "dynamic-s16-fused": dyn(fused(SMALL, 16)),
+                 "dynamic-s3-partials": SMALL_PARTIALS}
+OVERLAP_OPS = ([WG_CASES[n] for n in OVERLAP_CASES] + list(OVERLAP_SAME_BITS.values())
+               + list(OVERLAP_MIXED.values()))
+
+
+@pytest.fixture(scope="module")
+def overlap_production(api):
+    """api with production's builds of every op the overlap tests launch (the two _all_ops lacks, in parallel)."""
+    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
+        list(pool.map(api.kernel, dict.fromkeys(OVERLAP_OPS)))
+    return api
+
+
+@pytest.fixture
+def overlap_api(api):
+    with switch_build(api, OVERLAP_FLAGS, prebuild=OVERLAP_OPS) as overlap:
+        yield overlap
+
+
+def check_or_partials(name, op, outs, ref):
+    """The reference where the launch writes out (one split or the fused merge); split-KV partials are held
+    to production's bits only (production's partials are checked against the reference above)."""
+    if "out" in outs:
+        check_case(name, op, outs, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("name", OVERLAP_CASES)
+def test_prefill_overlap_matches_reference(overlap_api, rng, name, shape):
+    """-DUA_PREFILL_OVERLAP against the float64 reference, as test_wgmma_prefill_matches_reference."""
+    test_wgmma_prefill_matches_reference(overlap_api, rng, name, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(OVERLAP_SAME_BITS))
+def test_prefill_overlap_same_bits_as_production(overlap_production, case):
+    """The overlap changes the order of the work, not the values: bit for bit production's output (and the
+    reference's values) on a case whose blocks take 3 items or more."""
+    op = OVERLAP_SAME_BITS[case]
+    name, base = next((n, b) for n, b in OVERLAP_BASES.items()
+                      if op.replace(num_splits=1, fused_merge=False, item_queue=False, return_lse=True) == b)
+    inputs, ref = cached_case(f"items/{name}", base, prompts_for_items(base, 3))
+    want = launch(overlap_production, op, inputs)
+    with switch_build(overlap_production, OVERLAP_FLAGS, prebuild=OVERLAP_OPS) as overlap:
+        got = launch(overlap, op, inputs)
+    check_or_partials(f"overlap/{case}", base, got, ref)
+    assert_same(f"overlap/{case}", got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(OVERLAP_MIXED))
+def test_prefill_overlap_mixed_ubatch(overlap_production, case):
+    """A mixed ubatch (300 decode tokens around prompts and a chunk): tiles of several runs, lone tokens, runs
+    that see nothing in a split; bit for bit production's, and the reference."""
+    op = OVERLAP_MIXED[case]
+    inputs, ref = cached_case("many-decodes", SMALL, many_decodes_mixed(300))
+    want = launch(overlap_production, op, inputs)
+    with switch_build(overlap_production, OVERLAP_FLAGS, prebuild=OVERLAP_OPS) as overlap:
+        got = launch(overlap, op, inputs)
+    check_or_partials(f"overlap-mixed/{case}", SMALL, got, ref)
+    assert_same(f"overlap-mixed/{case}", got, want)
+
+
 # ---------------------------------------------------------------- CPU
 @pytest.mark.parametrize("op, hopper", [
     (PA(32, 8, 128, 16, "bf16", "bf16"), True),
