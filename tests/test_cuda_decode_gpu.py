@@ -87,6 +87,22 @@ def check_outputs(name, op, inputs, out, lse=None):
         check_close(f"{name}.lse", lse, ref_lse, 2 * tol)
 
 
+def replay_on_fresh_inputs(name, graph, op, dev, inputs, make_inputs, out, lse, workspace, replays=2):
+    """A captured launch replayed on fresh q and KV (make_inputs(), on inputs' pages), outputs poisoned
+    first: each replay against the reference, and the stream's workspace zero after it."""
+    for _ in range(replays):
+        fresh = make_inputs()
+        fresh["page_table"], fresh["num_pages"] = inputs["page_table"], inputs["num_pages"]
+        for k in ("q", "k_cache", "v_cache"):
+            dev[k].copy_(to_dev(fresh[k]))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_outputs(name, op, fresh, out, lse)
+        assert not workspace.any(), f"{name}: the stream's workspace must be zero after each replay"
+
+
 def run_and_check(api, name, op, splits, inputs, counters=None):
     """One fused launch checked against the reference, its counters zero again afterwards."""
     outs = run_fused(api, op, splits, inputs, counters)
@@ -187,17 +203,8 @@ def test_graph_replays_find_the_counters_reset(api, rng):
     graph = cuda_api.capture_graph([lambda: attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)],
                                    stream=stream)
     counters = attention._split_counters(dev["q"].device, stream.cuda_stream, len(lens), op.num_kv_heads)
-    for _ in range(2):
-        fresh = testing.attention_inputs(op, rng, lens)
-        fresh["page_table"], fresh["num_pages"] = inputs["page_table"], inputs["num_pages"]
-        for k in ("q", "k_cache", "v_cache"):
-            dev[k].copy_(to_dev(fresh[k]))
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        check_outputs("replay", op, fresh, out, lse)
-        assert not counters.any()
+    replay_on_fresh_inputs("replay", graph, op, dev, inputs, lambda: testing.attention_inputs(op, rng, lens),
+                           out, lse, counters)
 
 
 # ---------------------------------------------------------------- the decode design knobs

@@ -26,8 +26,8 @@ from uacompile import ir, testing
 from uacompile.targets.cuda import attention
 from uacompile.targets.cuda.render import SM90A_MARKER, render_op
 
-from test_cuda_attention_gpu import MIXED, check_close, device_inputs, reference_of, run_kernel, to_dev, tol_of
-from test_cuda_decode_gpu import check_outputs, fused
+from test_cuda_attention_gpu import MIXED, check_close, device_inputs, reference_of, run_kernel, tol_of
+from test_cuda_decode_gpu import fused, replay_on_fresh_inputs
 
 torch = pytest.importorskip("torch")
 
@@ -284,17 +284,8 @@ def test_dynamic_graph_replay_of_a_mixed_ubatch(api, rng, dynamic_knob, splits):
     graph = cuda_api.capture_graph([lambda: attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)],
                                    stream=stream)
     queue = attention._item_queue(dev["q"].device, stream.cuda_stream)
-    for _ in range(2):
-        fresh = testing.attention_inputs(op, rng, kv_lens, q_lens)
-        fresh["page_table"], fresh["num_pages"] = inputs["page_table"], inputs["num_pages"]
-        for k in ("q", "k_cache", "v_cache"):
-            dev[k].copy_(to_dev(fresh[k]))
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        check_outputs(f"replay/s{splits}", op, fresh, out, lse)
-        assert not queue.any(), "the stream's item queue must be zero after each replay"
+    replay_on_fresh_inputs(f"replay/s{splits}", graph, op, dev, inputs,
+                           lambda: testing.attention_inputs(op, rng, kv_lens, q_lens), out, lse, queue)
 
 
 @pytest.mark.gpu
@@ -357,14 +348,20 @@ def switch_build(api, flags, prebuild=()):
             os.environ["UACOMPILE_NVCC_FLAGS"] = old
 
 
-def lean_build(api):
-    """The variants with -DUA_SOFTMAX_LEAN=0 (the loop before the lean softmax)."""
-    return switch_build(api, LEAN_FLAGS)
+def same_bits_as_production(name, api, flags, prebuild, op, inputs, base, ref, check=None):
+    """op launched from production's build and from the build with flags (switch_build): the switched
+    output checked (check_case against the reference, unless check says otherwise) and bit for bit
+    production's."""
+    want = launch(api, op, inputs)
+    with switch_build(api, flags, prebuild=prebuild) as switched:
+        got = launch(switched, op, inputs)
+    (check or check_case)(name, base, got, ref)
+    assert_same(name, got, want)
 
 
 @pytest.fixture
 def lean_api(api):
-    with lean_build(api) as lean:
+    with switch_build(api, LEAN_FLAGS) as lean:
         yield lean
 
 
@@ -385,11 +382,7 @@ def test_softmax_lean_off_same_bits_as_production(api, queue):
     static and dynamic schedule, on a case whose blocks take several items."""
     op = dyn(PRODUCTION) if queue else PRODUCTION
     inputs, ref = cached_case("items/bf16-d128-g4-p16", PRODUCTION, prompts_for_items(PRODUCTION, 3))
-    want = launch(api, op, inputs)
-    with lean_build(api) as lean:
-        got = launch(lean, op, inputs)
-    check_case("lean-off", PRODUCTION, got, ref)
-    assert_same("lean-off", got, want)
+    same_bits_as_production("lean-off", api, LEAN_FLAGS, (), op, inputs, PRODUCTION, ref)
 
 
 # ------------------------------- the code before v23's lower per-item cost, -DUA_PREFILL_ITEM=0 (NOTES v23)
@@ -433,11 +426,7 @@ def test_prefill_item_off_same_bits_as_production(api, case):
     base = op.replace(num_splits=1, fused_merge=False, item_queue=False)
     inputs, ref = cached_case(f"items/{'bf16-d128-g4-p16' if base == PRODUCTION else 'fp16-d64-g4-p16'}", base,
                               prompts_for_items(base, 3))
-    want = launch(api, op, inputs)
-    with switch_build(api, ITEM_FLAGS, prebuild=ITEM_OPS) as item:
-        got = launch(item, op, inputs)
-    check_case(f"item/{case}", base, got, ref)
-    assert_same(f"item/{case}", got, want)
+    same_bits_as_production(f"item/{case}", api, ITEM_FLAGS, ITEM_OPS, op, inputs, base, ref)
 
 
 @pytest.mark.gpu
@@ -447,11 +436,7 @@ def test_prefill_item_off_mixed_ubatch(api, splits):
     tokens, the decode blocks ahead; bit for bit production's, and the reference."""
     op = dyn(fused(SMALL, splits))
     inputs, ref = cached_case("many-decodes", SMALL, many_decodes_mixed(300))
-    want = launch(api, op, inputs)
-    with switch_build(api, ITEM_FLAGS, prebuild=ITEM_OPS) as item:
-        got = launch(item, op, inputs)
-    check_case(f"item-mixed/s{splits}", SMALL, got, ref)
-    assert_same(f"item-mixed/s{splits}", got, want)
+    same_bits_as_production(f"item-mixed/s{splits}", api, ITEM_FLAGS, ITEM_OPS, op, inputs, SMALL, ref)
 
 
 # ------------------------------- -DUA_PREFILL_OVERLAP (NOTES v25, candidate): the run boundary overlapped
@@ -515,11 +500,8 @@ def test_prefill_overlap_same_bits_as_production(overlap_production, case):
     name, base = next((n, b) for n, b in OVERLAP_BASES.items()
                       if op.replace(num_splits=1, fused_merge=False, item_queue=False, return_lse=True) == b)
     inputs, ref = cached_case(f"items/{name}", base, prompts_for_items(base, 3))
-    want = launch(overlap_production, op, inputs)
-    with switch_build(overlap_production, OVERLAP_FLAGS, prebuild=OVERLAP_OPS) as overlap:
-        got = launch(overlap, op, inputs)
-    check_or_partials(f"overlap/{case}", base, got, ref)
-    assert_same(f"overlap/{case}", got, want)
+    same_bits_as_production(f"overlap/{case}", overlap_production, OVERLAP_FLAGS, OVERLAP_OPS, op, inputs, base,
+                            ref, check=check_or_partials)
 
 
 @pytest.mark.gpu
@@ -529,11 +511,8 @@ def test_prefill_overlap_mixed_ubatch(overlap_production, case):
     that see nothing in a split; bit for bit production's, and the reference."""
     op = OVERLAP_MIXED[case]
     inputs, ref = cached_case("many-decodes", SMALL, many_decodes_mixed(300))
-    want = launch(overlap_production, op, inputs)
-    with switch_build(overlap_production, OVERLAP_FLAGS, prebuild=OVERLAP_OPS) as overlap:
-        got = launch(overlap, op, inputs)
-    check_or_partials(f"overlap-mixed/{case}", SMALL, got, ref)
-    assert_same(f"overlap-mixed/{case}", got, want)
+    same_bits_as_production(f"overlap-mixed/{case}", overlap_production, OVERLAP_FLAGS, OVERLAP_OPS, op, inputs,
+                            SMALL, ref, check=check_or_partials)
 
 
 # ---------------------------------------------------------------- CPU
