@@ -160,10 +160,10 @@ def test_prefill_item_switch_compiles(arch, monkeypatch):
 @pytest.mark.skipif(not HAVE_ATTENTION, reason="targets/cuda/attention.py not written yet")
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # the wgmma consumers' run boundary; the mma.sync path ignores it
 def test_prefill_overlap_switch_compiles(arch, monkeypatch):
-    """-DUA_PREFILL_OVERLAP (a run's last O += P V issued in the next run's first turn, its stores under S(0):
-    bench/NOTES-attention.md v25) builds the dynamic and static Hopper schedules, the masked and scaled softmax at
-    D 64 with split-KV partials, the fused merge (which leaves it off) and the mma.sync path, and changes the
-    cache key; the benchmarks' launches keep their wgmmas unserialised with it (C7511 / C7514 / C7515)."""
+    """-DUA_PREFILL_OVERLAP=0 (the code before v25: a run's last O += P V in the run's own turn, its rows stored
+    before the next run's S(0); bench/NOTES-attention.md v25) builds the dynamic and static Hopper schedules, the
+    masked and scaled softmax at D 64 with split-KV partials, the fused merge and the mma.sync path, and changes
+    the cache key; the benchmarks' launches keep their wgmmas unserialised with it (C7511 / C7514 / C7515)."""
     from uacompile.targets.cuda import attention
     from uacompile.targets.cuda.build import build
 
@@ -172,7 +172,7 @@ def test_prefill_overlap_switch_compiles(arch, monkeypatch):
     others = [PA(32, 8, 128, 16, "bf16", "bf16"),  # static
               PA(8, 2, 64, 8, "fp16", "fp16", window=9, softcap=5.0, alibi=True, num_splits=2, item_queue=True)]
     plain = build(others, arch).path
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_OVERLAP")
+    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_OVERLAP=0")
     switched = build(others, arch).path
     assert switched.exists() and switched != plain
     res = build(bench, arch)

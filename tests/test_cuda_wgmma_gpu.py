@@ -439,14 +439,14 @@ def test_prefill_item_off_mixed_ubatch(api, splits):
     same_bits_as_production(f"item-mixed/s{splits}", api, ITEM_FLAGS, ITEM_OPS, op, inputs, SMALL, ref)
 
 
-# ------------------------------- -DUA_PREFILL_OVERLAP (NOTES v25, candidate): the run boundary overlapped
-# A run's last O += P V is issued in the warpgroup's next run's first turn, ahead of that run's S(0), and the
-# run's rows are stored while S(0) runs; a run that sees no position (split-KV), the fused merge (which leaves the
+# ------------------------------- the code before v25's overlapped run boundary, -DUA_PREFILL_OVERLAP=0 (NOTES v25)
+# Production (v25): a run's last O += P V is issued in the warpgroup's next run's first turn, ahead of its S(0),
+# and the run's rows are stored while S(0) runs; a run that sees no position (split-KV), the fused merge (which leaves the
 # switch off) and the block's end issue it in a turn of its own. Same values: the same GEMMs on the same
 # registers, in another order. The cases: the static schedule against the reference (long runs, chunks, many
 # short runs a tile: runs that follow runs inside a block; split-KV partials with runs that see nothing), and bit
 # for bit production's on blocks that take several items (the boundary crossed between items).
-OVERLAP_FLAGS = "-DUA_PREFILL_OVERLAP"
+OVERLAP_FLAGS = "-DUA_PREFILL_OVERLAP=0"
 OVERLAP_CASES = ITEM_CASES  # the benchmarks' shape, D 64 (6 stages), window + softcap, ALiBi split 3 (partials)
 # window + softcap + ALiBi at D 64, one split: the MASK path and the slopes through the boundary
 WSA = PA(16, 2, 64, 128, "bf16", "bf16", window=300, softcap=15.0, alibi=True, return_lse=True)
@@ -486,15 +486,16 @@ def check_or_partials(name, op, outs, ref):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("name", OVERLAP_CASES)
-def test_prefill_overlap_matches_reference(overlap_api, rng, name, shape):
-    """-DUA_PREFILL_OVERLAP against the float64 reference, as test_wgmma_prefill_matches_reference."""
+def test_prefill_overlap_off_matches_reference(overlap_api, rng, name, shape):
+    """-DUA_PREFILL_OVERLAP=0 (the earlier boundary) against the float64 reference, as
+    test_wgmma_prefill_matches_reference."""
     test_wgmma_prefill_matches_reference(overlap_api, rng, name, shape)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(OVERLAP_SAME_BITS))
-def test_prefill_overlap_same_bits_as_production(overlap_production, case):
-    """The overlap changes the order of the work, not the values: bit for bit production's output (and the
+def test_prefill_overlap_off_same_bits_as_production(overlap_production, case):
+    """The overlap changes the order of the work, not the values: the earlier boundary's output bit for bit production's (and the
     reference's values) on a case whose blocks take 3 items or more."""
     op = OVERLAP_SAME_BITS[case]
     name, base = next((n, b) for n, b in OVERLAP_BASES.items()
@@ -506,7 +507,7 @@ def test_prefill_overlap_same_bits_as_production(overlap_production, case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(OVERLAP_MIXED))
-def test_prefill_overlap_mixed_ubatch(overlap_production, case):
+def test_prefill_overlap_off_mixed_ubatch(overlap_production, case):
     """A mixed ubatch (300 decode tokens around prompts and a chunk): tiles of several runs, lone tokens, runs
     that see nothing in a split; bit for bit production's, and the reference."""
     op = OVERLAP_MIXED[case]
