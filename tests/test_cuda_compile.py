@@ -327,6 +327,19 @@ def test_an_invalid_op_in_a_design_build_comes_back_as_its_ir_error():
         assert isinstance(e, ir.IRError) and "unified_masked is built with num_splits=1" in str(e)
 
 
+def test_build_record_keeps_ptxas_performance_notes():
+    """nvcc 13's ptxas reports serialised wgmma as an info line without the word "warning" (this one is from a
+    real build of the fp16 D 64 item-queue op): build.json must keep it, or the guard below passes blindly."""
+    from uacompile.targets.cuda.build import compiler_warnings
+
+    c7511 = ("ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+             "insufficient register resources for the wgmma pipeline in the function '_ZN3ua6kernelE'")
+    output = "\n".join(["ptxas info    : Used 168 registers", c7511,
+                        "kernels.cu(328): warning #177-D: variable \"X\" was declared but never referenced"])
+    kept = compiler_warnings(output)
+    assert kept[0] == c7511 and len(kept) == 2 and "wgmma" in kept[0]
+
+
 def test_benchmark_launches_keep_wgmma_unserialised(tmp_path, monkeypatch):
     """ptxas serialises wgmma (warning C7511 / C7520) when the consumer's registers run short, which
     costs the Hopper path its GEMM overlap without any error: the ops paged_attention() launches for

@@ -32,6 +32,16 @@ from .render import needs_sm90a, render_op
 # would otherwise be one object across every library of the process, so a second library of the
 # same op (a sweep's candidates) would skip its own cudaFuncSetAttribute and fail to launch.
 BASE_FLAGS = ("-O3", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fno-gnu-unique", "-std=c++17", "-lineinfo")
+# What build.json records, as part of the key: 2 since ptxas' "Performance Loss" lines are kept (builds cached
+# before that recorded no C75xx line, so a guard reading them passed whatever ptxas said)
+BUILD_RECORD = 2
+
+
+def compiler_warnings(output: str) -> list[str]:
+    """nvcc/ptxas lines kept with a build: warnings and ptxas' performance notes (C7511/C7520: wgmma
+    serialised), which nvcc 13 prints as "ptxas info : (C7511) Potential Performance Loss: ...", no "warning"."""
+    return [line.strip() for line in output.splitlines()
+            if "warning" in line.lower() or "performance loss" in line.lower()]
 
 
 class BuildError(RuntimeError):
@@ -101,7 +111,7 @@ def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Buil
     source = "\n".join(render_op(op, arch) for op in ops)
     flags = nvcc_flags(arch, source)
     nvcc = nvcc_path()
-    key = content_hash([op.to_dict() for op in ops], source, toolchain_versions(nvcc), flags)
+    key = content_hash([op.to_dict() for op in ops], source, toolchain_versions(nvcc), flags, BUILD_RECORD)
 
     def compile_into(folder: Path) -> None:
         cu = folder / "kernels.cu"
@@ -116,8 +126,7 @@ def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Buil
             msg = (proc.stderr or proc.stdout).strip().splitlines()
             raise BuildError(f"nvcc failed for {[op.symbol() for op in ops]} (source kept at {kept}):\n"
                              + "\n".join(msg[-40:]) + f"\ncommand: {shlex.join(cmd)}")
-        # ptxas' performance warnings (e.g. C7511/C7520: wgmma serialised) stay with the build
-        warnings = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if "warning" in line.lower()]
+        warnings = compiler_warnings(proc.stderr + proc.stdout)
         (folder / "build.json").write_text(json.dumps(
             dict(ops=[op.to_dict() for op in ops], arch=arch, flags=flags, nvcc=toolchain_versions(nvcc),
                  seconds=round(time.perf_counter() - started, 3), warnings=warnings), indent=1, default=str))
