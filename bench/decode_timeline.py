@@ -43,8 +43,16 @@ int {sym}_timeline_read(void* dst, int64_t words);
 
 
 # ---------------------------------------------------------------- the probe library's buffer
+LAYOUT_WORDS = 8  # what the template's timeline_layout writes (either probe)
+
+
 class Timeline:
-    """The stamp buffer of a library built with PROBE_FLAG (the template's timeline_* accessors of op)."""
+    """The stamp buffer of a library built with PROBE_FLAG (the template's timeline_* accessors of op).
+    bench/prefill_timeline.py reads the prefill probe's through a subclass: its POINTS and layout FIELDS."""
+
+    POINTS = POINTS
+    FIELDS = ("header", "record", "groups", "points", "clock_word", "info_word", "token_word")  # + one unused word
+    RECORDS = "groups"
 
     def __init__(self, library, op):
         import cffi
@@ -55,13 +63,13 @@ class Timeline:
         lib = self.ffi.dlopen(str(library.path))
         self._layout, self._clear, self._mark, self._read = (getattr(lib, f"{sym}_timeline_{n}")
                                                              for n in ("layout", "clear", "mark", "read"))
-        out = self.ffi.new("int64_t[7]")
+        out = self.ffi.new(f"int64_t[{LAYOUT_WORDS}]")
         self._check(self._layout(out), "layout")
-        self.layout = dict(zip(("header", "record", "groups", "points", "clock_word", "info_word", "token_word"),
-                               (int(x) for x in out)))
-        if self.layout["points"] != len(POINTS):
-            raise RuntimeError(f"the library stamps {self.layout['points']} points, this script knows {len(POINTS)}")
-        self.words = self.layout["header"] + self.layout["groups"] * self.layout["record"]
+        self.layout = dict(zip(self.FIELDS, (int(x) for x in out)))
+        if self.layout["points"] != len(self.POINTS):
+            raise RuntimeError(f"the library stamps {self.layout['points']} points, this script knows {len(self.POINTS)}"
+                               " (a build of the other timeline probe?)")
+        self.words = self.layout["header"] + self.layout[self.RECORDS] * self.layout["record"]
 
     @staticmethod
     def _check(rc: int, what: str) -> None:
