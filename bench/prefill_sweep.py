@@ -2,14 +2,17 @@
 ANCHORS.md's causal prefill shapes, with torch SDPA on contiguous KV in the same run, and check
 that the 8-warp decode blocks of each variant keep their speed. Run on the device:
 
-    python bench/prefill_sweep.py [--tiles 64x6,128x3:-DFLAG] [--decode] [--mixed] [--designs ";prefill=dynamic"] [--json PATH]
+    python bench/prefill_sweep.py [--tiles 64x6,128x3:-DFLAG] [--decode] [--mixed] [--designs ";prefill=dynamic"]
+                                  [--power] [--json PATH]
 
 A tile may carry extra nvcc flags after a colon (the template's experiment switches). --designs
 compares several UACOMPILE_PA_VARIANT values (";"-separated, "" = production) in one process;
 every variant a design launches is built in parallel before any timing. Each shape's designs and
 torch SDPA are timed interleaved (timing.time_graphs: one graph each, replayed round by round),
 so drift hits them alike; compare tiles by their ratio to the SDPA timed beside them.
---mixed adds attention_bench's mixed-ubatch rows (per design).
+--mixed adds attention_bench's mixed-ubatch rows (per design). --power adds, per prefill row, the board's
+watts, joules per call and SM clock with each implementation running alone (timing.power_per_call, NVML): under
+the 700 W cap a variant can lose by drawing more power as well as by doing more work.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # PYTHONSAFEPATH runs leave the script's folder out
 from attention_bench import D, DECODE_SHAPES, PREFILL_SHAPES, ROUNDS, PagedBatch, mixed_rows, op_of, sdpa, spin_up_clocks
-from timing import time_graphs
+from timing import power_per_call, time_graphs
 from uacompile.targets.cuda import api, attention
 
 
@@ -57,6 +60,7 @@ def main():
     ap.add_argument("--mixed", action="store_true", help="also time the mixed-ubatch rows")
     ap.add_argument("--designs", default="", help='";"-separated UACOMPILE_PA_VARIANT values ("" = production)')
     ap.add_argument("--shapes", default=",".join(f"{B}x{L}" for B, L in PREFILL_SHAPES))
+    ap.add_argument("--power", action="store_true", help="also read power and SM clock per prefill implementation (NVML)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     tiles = []
@@ -88,15 +92,20 @@ def main():
             fns = {d: under(d, call) for d in designs}
             fns["sdpa"] = lambda: sdpa(b.q_bhld(), *b.kv, True)
             t = time_graphs(fns, calls=2, rounds=ROUNDS)
+            power = power_per_call(fns) if a.power else {}
+            if a.power and not power:
+                print("# --power: NVML (nvidia-ml-py) not available, rows without power", flush=True)
+            watts = {n: dict(watts=round(w.watts, 1), joules_per_call=round(w.joules_per_call, 4), sm_mhz=w.sm_mhz)
+                     for n, w in power.items()}
             rows.append(dict(shape=f"{B}x{L} causal", impl=f"torch SDPA contiguous (beside {tile})", ms=t["sdpa"].ms,
-                             tflops=flops / t["sdpa"].ms / 1e9))
+                             tflops=flops / t["sdpa"].ms / 1e9, **watts.get("sdpa", {})))
             for d in designs:
                 b.out.fill_(float("nan"))
                 under(d, call)()
                 diff = (b.out.view(B, L, 32, D).transpose(1, 2).float() - b.want.float()).abs().max().item()
                 rows.append(dict(shape=f"{B}x{L} causal", impl=impls[d], ms=t[d].ms, tflops=flops / t[d].ms / 1e9,
                                  vs_sdpa=round(t["sdpa"].ms / t[d].ms, 3), spread_pct=round(t[d].spread_pct, 2),
-                                 diff=diff, build_s=round(built, 2)))
+                                 diff=diff, build_s=round(built, 2), **watts.get(d, {})))
                 print(rows[-1], flush=True)
         if a.decode:
             for B, L in DECODE_SHAPES:
@@ -116,11 +125,12 @@ def main():
                     rows.append(dict(shape=f"mixed {r['shape']}", impl=f"{impls[d]}: {r['impl']}", ms=r["ms"]))
                     print(rows[-1], flush=True)
         os.environ.pop(attention.DESIGN_ENV, None)
-    print(f"\n{torch.cuda.get_device_name()}\n| shape | impl | ms | TFLOP/s | GB/s | x SDPA (same timing) | max abs diff vs SDPA |\n"
-          "|---|---|---|---|---|---|---|")
+    print(f"\n{torch.cuda.get_device_name()}\n| shape | impl | ms | TFLOP/s | GB/s | x SDPA (same timing) | max abs diff vs SDPA "
+          "| W alone | J a call | SM MHz |\n|---|---|---|---|---|---|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['shape']} | {r['impl']} | {r['ms']:.4f} | {r.get('tflops', 0):.0f} | {r.get('gbps', 0):.0f} | "
-              f"{r.get('vs_sdpa', '')} | {r.get('diff', '')} |")
+              f"{r.get('vs_sdpa', '')} | {r.get('diff', '')} | {r.get('watts', '')} | {r.get('joules_per_call', '')} | "
+              f"{r.get('sm_mhz', '')} |")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), indent=1))
 

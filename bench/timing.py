@@ -62,6 +62,60 @@ def time_graphs(fns: dict, calls: int = 20, rounds: int = 25) -> dict:
     return {n: Timing(samples[n]) for n in names}
 
 
+@dataclass
+class Power:
+    """Board power and SM clock while one implementation runs alone, from NVML's energy counter."""
+
+    watts: float
+    joules_per_call: float
+    sm_mhz: int  # NVML's SM clock, read while the replays run
+
+
+def power_per_call(fns: dict, seconds: float = 1.0, passes: int = 2, calls: int = 10) -> dict:
+    """{name: Power} for time_graphs' {name: fn or list of fns}, or {} without NVML (nvidia-ml-py, carried
+    in .whl). Under a power cap the same kernel runs at whatever clock its draw leaves it (session 5: prefill at
+    669-696 W of 700, the SM clock 1575-1740 MHz), so a variant that is slower beside the same SDPA may be
+    drawing more power rather than doing more work; time_graphs' interleaved rounds cannot tell which
+    implementation drew it. Here each one runs alone for `seconds`, `passes` times in rotated order (drift hits
+    all alike), and the board's energy counter is read around it."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no library or no driver: the caller prints without power
+        return {}
+    from uacompile.targets.cuda import api
+
+    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    lists = {name: (fn if isinstance(fn, (list, tuple)) else [fn]) for name, fn in fns.items()}
+    graphs = {name: api.capture_graph(fl, calls) for name, fl in lists.items()}
+    names, totals = list(graphs), {n: [0.0, 0.0, 0, []] for n in graphs}  # joules, seconds, calls, clocks
+    for n in names:  # first-replay costs (graph upload) stay out
+        graphs[n].replay()
+    torch.cuda.synchronize()
+    for p in range(passes):
+        for n in names[p % len(names):] + names[:p % len(names)]:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graphs[n].replay()
+            b.record()
+            b.synchronize()
+            reps = max(1, int(seconds * 1e3 / max(a.elapsed_time(b), 1e-3)))
+            e0 = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # mJ
+            a.record()
+            for _ in range(reps):
+                graphs[n].replay()
+            b.record()
+            totals[n][3].append(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))  # mid-run: enqueued, running
+            b.synchronize()
+            e1 = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+            t = totals[n]
+            t[0] += (e1 - e0) / 1e3
+            t[1] += a.elapsed_time(b) / 1e3
+            t[2] += reps * calls * len(lists[n])
+    del graphs
+    return {n: Power(j / s, j / c, int(statistics.median(clk))) for n, (j, s, c, clk) in totals.items()}
+
+
 def time_ms(fns, calls_per_fn: int = 1, reps: int = 7) -> float:
     """Median ms per call of one implementation (a fn or a list of fns) on its own."""
     return time_graphs({"": fns}, calls=calls_per_fn, rounds=reps)[""].ms

@@ -112,3 +112,28 @@ def test_interleaved_timer_times_each_implementation(monkeypatch):
     assert set(t) == {"small", "big"} and all(len(x.samples) == 5 for x in t.values())
     assert 0 < t["small"].ms < t["big"].ms and t["small"].spread_pct >= 0
     assert torch.equal(out_b, big)
+
+
+def test_power_reader_needs_nvml_and_says_so_by_an_empty_result(monkeypatch):
+    """timing.power_per_call returns {} where NVML cannot start (no nvidia-ml-py, or no driver: this CPU
+    machine), before touching CUDA; prefill_sweep --power then prints its rows without power."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    timing = importlib.import_module("timing")
+    assert timing.power_per_call({"x": lambda: None}) == {}
+
+
+@pytest.mark.gpu
+def test_power_reader_reads_watts_joules_and_clock(monkeypatch):
+    """timing.power_per_call on the device (nvidia-ml-py carried in .whl): each implementation alone, a
+    positive draw and clock, and the 4x bigger copy costs more energy a call."""
+    import torch
+
+    pytest.importorskip("pynvml")
+    monkeypatch.syspath_prepend(str(BENCH))
+    timing = importlib.import_module("timing")
+    small, big = torch.randn(1 << 22, device="cuda"), torch.randn(1 << 24, device="cuda")
+    out_s, out_b = torch.empty_like(small), torch.empty_like(big)
+    p = timing.power_per_call({"small": lambda: out_s.copy_(small), "big": lambda: out_b.copy_(big)}, seconds=0.3)
+    assert set(p) == {"small", "big"}
+    assert all(x.watts > 0 and x.sm_mhz > 0 for x in p.values())
+    assert 0 < p["small"].joules_per_call < p["big"].joules_per_call
