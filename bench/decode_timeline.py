@@ -159,13 +159,17 @@ SPANS = [
 ]
 
 
-def cycles_per_ns(rec: dict) -> float:
-    """SM cycles per ns, from every group's start -> last tile on both clocks (0: not measurable)."""
-    i, j = POINTS.index("start"), POINTS.index("last_tile")
+def clock_rate(rec: dict, i: int, j: int) -> float:
+    """SM cycles per ns over every record's points i -> j, stamped on both clocks (0: not measurable)."""
     ok = (rec["ns"][:, i] > 0) & (rec["ns"][:, j] > 0)
     dns = (rec["ns"][ok, j] - rec["ns"][ok, i]).sum()
     dclk = ((rec["clock"][ok, j] - rec["clock"][ok, i]) % 2**32).sum()
     return float(dclk / dns) if dns > 0 else 0.0
+
+
+def cycles_per_ns(rec: dict) -> float:
+    """SM cycles per ns, from every group's start -> last tile."""
+    return clock_rate(rec, POINTS.index("start"), POINTS.index("last_tile"))
 
 
 def summarize(rec: dict, bytes_per_unit: float | None = None) -> dict:
@@ -323,25 +327,28 @@ def run_shape(B: int, L: int, libs: dict, samples: int, gen) -> dict:
                 stamps_ordered=order_ok, summary=median_summary(sums), samples=raw)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(f"{B}x{L}" for B, L in SHAPES), help="BxL decode rows (comma list)")
-    ap.add_argument("--samples", type=int, default=20, help="graph replays whose stamps are read")
-    ap.add_argument("--json", default=None, help="write results and raw stamps here (default $OUT/decode_timeline.json)")
+def timeline_main(argv, *, doc: str, script: str, probe_flag: str, points, rows: str, shapes: list, samples: int,
+                  ops_of, run_shape, headline, table, passed, label: str) -> int:
+    """The command line of a timeline script (this one, bench/prefill_timeline.py): build production and the
+    probe of ops_of(shapes), then per shape run_shape, print headline and table(result), write the results
+    (default $OUT/<script>.json) and exit 0 if every result passed(result)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(f"{B}x{L}" for B, L in shapes), help=rows)
+    ap.add_argument("--samples", type=int, default=samples, help="graph replays whose stamps are read")
+    ap.add_argument("--json", default=None, help=f"write results and {label} here (default $OUT/{script}.json)")
     args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     import torch
 
     if not torch.cuda.is_available():
-        print("bench/decode_timeline.py needs a CUDA GPU", file=sys.stderr)
+        print(f"bench/{script}.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import attention_bench as ab
 
     from uacompile.targets.cuda import attention
 
     t0 = time.perf_counter()
-    ops = list(dict.fromkeys(production_op(B, L)[0] for B, L in shapes))
-    libs = attention.load_designs({"production": "", "probe": "|" + PROBE_FLAG}, ops)
+    libs = attention.load_designs({"production": "", "probe": "|" + probe_flag}, ops_of(shapes))
     bad = {n: v for n, v in libs.items() if isinstance(v, Exception)}
     if bad:
         for n, v in bad.items():
@@ -355,14 +362,21 @@ def main(argv=None) -> int:
         r = run_shape(B, L, libs, args.samples, gen)
         results.append(r)
         print(f"\n## {headline(r, args.samples)}\n")
-        print(table(r["summary"], r["graph_us"]), flush=True)
-    path = args.json or (os.path.join(os.environ["OUT"], "decode_timeline.json") if os.environ.get("OUT") else None)
+        print(table(r), flush=True)
+    path = args.json or (os.path.join(os.environ["OUT"], f"{script}.json") if os.environ.get("OUT") else None)
     if path:
         Path(path).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
-                                              points=POINTS, results=results)))
-        print(f"\n# raw stamps: {path}")
-    ok = all(c["ok"] for r in results for c in r["checks"].values()) and all(r["stamps_ordered"] for r in results)
-    return 0 if ok else 1
+                                              points=points, results=results)))
+        print(f"\n# {label}: {path}")
+    return 0 if all(passed(r) for r in results) else 1
+
+
+def main(argv=None) -> int:
+    return timeline_main(
+        argv, doc=__doc__, script="decode_timeline", probe_flag=PROBE_FLAG, points=POINTS, rows="BxL decode rows (comma list)", shapes=SHAPES, samples=20,
+        ops_of=lambda shapes: list(dict.fromkeys(production_op(B, L)[0] for B, L in shapes)),
+        run_shape=run_shape, headline=headline, table=lambda r: table(r["summary"], r["graph_us"]),
+        passed=lambda r: all(c["ok"] for c in r["checks"].values()) and r["stamps_ordered"], label="raw stamps")
 
 
 if __name__ == "__main__":

@@ -22,11 +22,7 @@ offsets from ns_base).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 # the shared buffer's reader and accessors, a launch with paged_attention()'s workspaces
-from decode_timeline import TIMELINE_CDEF, Timeline, launch  # noqa: E402,F401
+from decode_timeline import TIMELINE_CDEF, Timeline, clock_rate, launch, timeline_main  # noqa: E402,F401
 
 PROBE_FLAG = "-DUA_PREFILL_TIMELINE"
 # the template's PrefillTimelinePoint, in its order: the producers', then each consumer warpgroup's
@@ -103,12 +99,8 @@ def ordered(rec: dict) -> np.ndarray:
 
 
 def cycles_per_ns(rec: dict) -> float:
-    """SM cycles per ns over every record's wg0 received -> stored on both clocks (0: not measurable)."""
-    i, j = POINTS.index("wg0_received"), POINTS.index("wg0_stored")
-    ok = (rec["ns"][:, i] > 0) & (rec["ns"][:, j] > 0)
-    dns = (rec["ns"][ok, j] - rec["ns"][ok, i]).sum()
-    dclk = ((rec["clock"][ok, j] - rec["clock"][ok, i]) % 2**32).sum()
-    return float(dclk / dns) if dns > 0 else 0.0
+    """SM cycles per ns over every record's wg0 received -> stored."""
+    return clock_rate(rec, POINTS.index("wg0_received"), POINTS.index("wg0_stored"))
 
 
 def _span(rec: dict, a: str, b: str, rows=None) -> np.ndarray:
@@ -341,45 +333,12 @@ def run_shape(B: int, L: int, libs: dict, samples: int, gen) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(f"{B}x{L}" for B, L in SHAPES), help="BxL causal prefill rows")
-    ap.add_argument("--samples", type=int, default=5, help="graph replays whose stamps are read")
-    ap.add_argument("--json", default=None, help="write results and raw records here (default $OUT/prefill_timeline.json)")
-    args = ap.parse_args(argv)
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
-    import torch
-
-    if not torch.cuda.is_available():
-        print("bench/prefill_timeline.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    import attention_bench as ab
-
-    from uacompile.targets.cuda import attention
-
-    t0 = time.perf_counter()
-    libs = attention.load_designs({"production": "", "probe": "|" + PROBE_FLAG}, [production_op()])
-    bad = {n: v for n, v in libs.items() if isinstance(v, Exception)}
-    if bad:
-        for n, v in bad.items():
-            print(f"! {n}: {v}", file=sys.stderr)
-        return 1
-    print(f"# built production and probe in {time.perf_counter() - t0:.1f} s", flush=True)
-    ab.spin_up_clocks()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    results = []
-    for B, L in shapes:
-        r = run_shape(B, L, libs, args.samples, gen)
-        results.append(r)
-        print(f"\n## {headline(r, args.samples)}\n")
-        print(table(r["summary"]), flush=True)
-    path = args.json or (os.path.join(os.environ["OUT"], "prefill_timeline.json") if os.environ.get("OUT") else None)
-    if path:
-        Path(path).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
-                                              points=POINTS, results=results)))
-        print(f"\n# raw records: {path}")
-    ok = all(c["ok"] for r in results for c in r["checks"].values())
-    ok &= all(r["stamps_ordered"] and r["one_record_an_item"] for r in results)
-    return 0 if ok else 1
+    return timeline_main(
+        argv, doc=__doc__, script="prefill_timeline", probe_flag=PROBE_FLAG, points=POINTS,
+        rows="BxL causal prefill rows", shapes=SHAPES, samples=5, ops_of=lambda shapes: [production_op()],
+        run_shape=run_shape, headline=headline, table=lambda r: table(r["summary"]), label="raw records",
+        passed=lambda r: (all(c["ok"] for c in r["checks"].values()) and r["stamps_ordered"]
+                          and r["one_record_an_item"]))
 
 
 if __name__ == "__main__":

@@ -34,17 +34,24 @@ class Timing:
         return 100 * (q3 - q1) / self.ms
 
 
-def time_graphs(fns: dict, calls: int = 20, rounds: int = 25) -> dict:
-    """{name: Timing} for {name: fn or list of fns}; a list's fns (e.g. the same call on rotating
-    input copies, so that L2 does not hold them) run in turn, and a sample is ms per fn call."""
+def _warm_graphs(fns: dict, calls: int) -> tuple[dict, dict]:
+    """({name: list of fns}, {name: CUDA graph of `calls` rounds of them}), each replayed once untimed:
+    first-replay costs (graph upload) stay out."""
     from uacompile.targets.cuda import api
 
     lists = {name: (fn if isinstance(fn, (list, tuple)) else [fn]) for name, fn in fns.items()}
     graphs = {name: api.capture_graph(fl, calls) for name, fl in lists.items()}
-    names = list(graphs)
-    for n in names:  # one untimed replay each: first-replay costs (graph upload) stay out
-        graphs[n].replay()
+    for g in graphs.values():
+        g.replay()
     torch.cuda.synchronize()
+    return lists, graphs
+
+
+def time_graphs(fns: dict, calls: int = 20, rounds: int = 25) -> dict:
+    """{name: Timing} for {name: fn or list of fns}; a list's fns (e.g. the same call on rotating
+    input copies, so that L2 does not hold them) run in turn, and a sample is ms per fn call."""
+    lists, graphs = _warm_graphs(fns, calls)
+    names = list(graphs)
     samples = {n: [] for n in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -83,15 +90,9 @@ def power_per_call(fns: dict, seconds: float = 1.0, passes: int = 2, calls: int 
         pynvml.nvmlInit()
     except Exception:  # noqa: BLE001 - no library or no driver: the caller prints without power
         return {}
-    from uacompile.targets.cuda import api
-
     handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-    lists = {name: (fn if isinstance(fn, (list, tuple)) else [fn]) for name, fn in fns.items()}
-    graphs = {name: api.capture_graph(fl, calls) for name, fl in lists.items()}
+    lists, graphs = _warm_graphs(fns, calls)
     names, totals = list(graphs), {n: [0.0, 0.0, 0, []] for n in graphs}  # joules, seconds, calls, clocks
-    for n in names:  # first-replay costs (graph upload) stay out
-        graphs[n].replay()
-    torch.cuda.synchronize()
     for p in range(passes):
         for n in names[p % len(names):] + names[:p % len(names)]:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

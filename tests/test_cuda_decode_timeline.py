@@ -44,10 +44,11 @@ def timeline(request):
         sys.path.remove(str(BENCH))
 
 
-def probe_build(ops, arch, monkeypatch):
+def probe_build(ops, arch, monkeypatch, flags=PROBE):
+    """build(ops, arch) with the probe switch (flags) set; the prefill probe's tests use it too."""
     from uacompile.targets.cuda.build import build
 
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", PROBE)
+    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", flags)
     try:
         return build(ops, arch)
     finally:
@@ -178,22 +179,27 @@ def test_summary_of_a_synthetic_timeline(timeline):
 gpu = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def probe():
-    """{case: (kernel, Timeline)} of the probe build, for this GPU's arch."""
+def probe_library(script: str, flag: str, ops: list):
+    """(bench/<script>.py as a module, the library of ops built with the probe switch flag) for this GPU's arch;
+    skips without CUDA (the prefill probe's tests use it too)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import sys
 
-    from uacompile.targets.cuda import api
-
     sys.path.insert(0, str(BENCH))
-    dt = importlib.import_module("decode_timeline")
-    ops = [op for op, _ in CASES.values()]
-    lib = attention.load_designs({"probe": "|" + PROBE}, ops)["probe"]
+    lib = attention.load_designs({"probe": "|" + flag}, ops)["probe"]
     if isinstance(lib, Exception):
         raise lib
+    return importlib.import_module(script), lib
+
+
+@pytest.fixture(scope="module")
+def probe():
+    """{case: (kernel, Timeline)} of the probe build, for this GPU's arch."""
+    from uacompile.targets.cuda import api
+
+    dt, lib = probe_library("decode_timeline", PROBE, [op for op, _ in CASES.values()])
     return {name: (api.CudaKernel(op, library=lib), dt.Timeline(lib, op)) for name, (op, _) in CASES.items()}
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from test_cuda_decode_timeline import probe_build, probe_library
 from uacompile import ir, testing
 from uacompile.targets.cuda import attention
 
@@ -41,16 +42,6 @@ def timeline():
         sys.path.remove(str(BENCH))
 
 
-def probe_build(ops, arch, monkeypatch, flags=PROBE):
-    from uacompile.targets.cuda.build import build
-
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", flags)
-    try:
-        return build(ops, arch)
-    finally:
-        monkeypatch.delenv("UACOMPILE_NVCC_FLAGS")
-
-
 # ---------------------------------------------------------------- CPU
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
@@ -66,7 +57,7 @@ def test_probe_switch_compiles_and_reports_its_layout(arch, monkeypatch, timelin
     op = attention.launched_op(OP, 1, arch=arch, design=attention.design_of(""))
     assert op.item_queue == (arch == "sm_90")
     plain = build([op], arch).path
-    res = probe_build([op], arch, monkeypatch)
+    res = probe_build([op], arch, monkeypatch, PROBE)
     assert res.path.exists() and res.path != plain
     tl = timeline.PrefillTimeline(load_library(res.path, [op]), op)
     lay = tl.layout
@@ -187,18 +178,9 @@ gpu = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def probe():
     """(kernel, PrefillTimeline) of the probe build, for this GPU's arch."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    import sys
-
     from uacompile.targets.cuda import api
 
-    sys.path.insert(0, str(BENCH))
-    pt = importlib.import_module("prefill_timeline")
-    lib = attention.load_designs({"probe": "|" + PROBE}, [OP])["probe"]
-    if isinstance(lib, Exception):
-        raise lib
+    pt, lib = probe_library("prefill_timeline", PROBE, [OP])
     return api.CudaKernel(OP, library=lib), pt.PrefillTimeline(lib, OP)
 
 
