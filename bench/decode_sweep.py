@@ -223,12 +223,15 @@ def summary(rows) -> list[str]:
 
 
 def candidate_ops(shapes, quant_shapes=()) -> dict:
-    """{(kv_dtype, B, L): (op, splits)}: the op each shape launches at its auto split (fused merge)."""
+    """{(kv_dtype, B, L): (op, splits)}: the op paged_attention() launches for each shape at its auto split
+    (fused merge; on Hopper with item_queue, as production. Before session 8 the candidates ran the op
+    without it: another kernel, whose decode path ptxas allocates differently)."""
     out = {}
+    production = attention.design_of("")
     for kv, B, L in [(ab.op_of().kv_dtype, B, L) for B, L in shapes] + list(quant_shapes):
         op = ab.op_of().replace(kv_dtype=kv)
         s = auto_splits(op, B, L)
-        out[(kv, B, L)] = (op.replace(num_splits=s, fused_merge=True) if s > 1 else op, s)
+        out[(kv, B, L)] = (attention.launched_op(op, s, arch=attention._arch(0), design=production), s)
     return out
 
 
@@ -250,13 +253,14 @@ def quantize_batch(b, kv_dtype: str) -> None:
 def candidate_call(kern, op, splits: int, b) -> None:
     """One launch of a candidate's kernel, with paged_attention()'s per-stream workspaces."""
     scales = getattr(b, "scales", {})  # quantised KV
-    if splits == 1:
-        kern(**b.args(), **scales, out=b.out)
-        return
     stream = torch.cuda.current_stream(b.q.device).cuda_stream
+    extra = {"item_queue": attention._item_queue(b.q.device, stream)} if op.item_queue else {}
+    if splits == 1:
+        kern(**b.args(), **scales, **extra, out=b.out)
+        return
     o_part, lse_part = attention._workspace(b.q.device, stream, splits, b.q.shape[0], ab.HQ, ab.D)
     counters = attention._split_counters(b.q.device, stream, b.q.shape[0], ab.HKV)
-    kern(**b.args(), **scales, o_partial=o_part, lse_partial=lse_part, split_counters=counters, out=b.out)
+    kern(**b.args(), **scales, **extra, o_partial=o_part, lse_partial=lse_part, split_counters=counters, out=b.out)
 
 
 def candidates_main(names: list[str], json_path: str | None, build_only: bool = False) -> int:

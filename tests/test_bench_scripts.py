@@ -137,3 +137,22 @@ def test_power_reader_reads_watts_joules_and_clock(monkeypatch):
     assert set(p) == {"small", "big"}
     assert all(x.watts > 0 and x.sm_mhz > 0 for x in p.values())
     assert 0 < p["small"].joules_per_call < p["big"].joules_per_call
+
+
+def test_decode_candidates_time_the_ops_production_launches(monkeypatch):
+    """decode_sweep --candidates must time what paged_attention() launches (launched_op: on Hopper the
+    item-queue op). Until session 8 it timed the op without item_queue, another kernel whose decode path
+    ptxas allocates differently: a layout change read +3% there and -13% in bench/kernels.py."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sweep = importlib.import_module("decode_sweep")
+    from uacompile.targets.cuda import attention
+
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)  # the H200 the sweep runs on
+    monkeypatch.setattr(attention, "_arch", lambda device: "sm_90")
+    ops = sweep.candidate_ops(sweep.CANDIDATE_SHAPES, sweep.CANDIDATE_QUANT_SHAPES)
+    production = attention.design_of("")
+    for (kv, B, L), (op, splits) in ops.items():
+        base = op.replace(num_splits=1, fused_merge=False, item_queue=False)
+        assert op == attention.launched_op(base, splits, arch="sm_90", design=production), (kv, B, L)
+        assert op.item_queue == (kv == "bf16"), (kv, B, L)  # the Hopper wgmma path; 8-bit KV runs mma.sync
+    assert {s for _, s in ops.values()} >= {1, 4, 32}  # one-split and split rows both
