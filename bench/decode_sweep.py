@@ -251,16 +251,13 @@ def quantize_batch(b, kv_dtype: str) -> None:
 
 
 def candidate_call(kern, op, splits: int, b) -> None:
-    """One launch of a candidate's kernel, with paged_attention()'s per-stream workspaces."""
-    scales = getattr(b, "scales", {})  # quantised KV
-    stream = torch.cuda.current_stream(b.q.device).cuda_stream
-    extra = {"item_queue": attention._item_queue(b.q.device, stream)} if op.item_queue else {}
-    if splits == 1:
-        kern(**b.args(), **scales, **extra, out=b.out)
-        return
-    o_part, lse_part = attention._workspace(b.q.device, stream, splits, b.q.shape[0], ab.HQ, ab.D)
-    counters = attention._split_counters(b.q.device, stream, b.q.shape[0], ab.HKV)
-    kern(**b.args(), **scales, **extra, o_partial=o_part, lse_partial=lse_part, split_counters=counters, out=b.out)
+    """One launch of a candidate's kernel through paged_attention() (its workspaces and item queue)."""
+    def kernel_of(run):
+        assert run == op, f"paged_attention() launches {run}, the candidate was built for {op}"
+        return kern
+
+    attention.paged_attention(ab.op_of().replace(kv_dtype=op.kv_dtype), **b.args(), **getattr(b, "scales", {}),
+                              out=b.out, num_splits=splits, kernel_of=kernel_of)
 
 
 def candidates_main(names: list[str], json_path: str | None, build_only: bool = False) -> int:

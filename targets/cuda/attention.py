@@ -320,16 +320,20 @@ def _arch(device) -> str:
 
 def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_table, token_kv_len, *,
                     k_scale=None, v_scale=None, alibi_slopes=None, out=None, lse=None, num_splits: int | None = None,
-                    fused_merge: bool = True):
+                    fused_merge: bool = True, kernel_of=None):
     """Attention of a ubatch over the paged cache on torch's current stream; returns out
     (and lse when op.return_lse). num_splits=None picks split-KV from the shapes; the
     split count and item_queue of `op` itself are ignored (launched_op says what runs: with
     UACOMPILE_PA_VARIANT prefill=dynamic, the Hopper path takes the stream's item queue). Tokens may come in any order (a sequence's
     tokens side by side share K/V loads as a prefill tile; a lone token is a decode item).
-    With splits, fused_merge=False runs the partials and merge_state as two launches."""
+    With splits, fused_merge=False runs the partials and merge_state as two launches. kernel_of(op) gives
+    the CudaKernel to launch (default api.kernel: this process's build; bench/decode_sweep.py passes another
+    build's library)."""
     import torch
 
-    from .api import kernel
+    from .api import kernel as default_kernel
+
+    kernel = kernel_of or default_kernel
 
     if not isinstance(op, ir.PagedAttention):
         raise TypeError(f"op must be an ir.PagedAttention, got {type(op).__name__}")
