@@ -122,6 +122,21 @@ def test_attention_load_hint_switches_compile(flags, monkeypatch):
     assert switched.exists() and switched != plain
 
 
+@pytest.mark.parametrize("flags", ["-DUA_TILE_SWIZZLE=1"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # decode groups on both; sm_80 also the mma.sync prefill tiles
+def test_attention_tile_swizzle_switch_compiles(flags, splits, arch, monkeypatch):
+    """The 16-bit K/V tile layout switch (padded rows by default, -DUA_TILE_SWIZZLE=1 swizzled:
+    bench/NOTES-attention.md session 8) builds either way on both paths; =1 changes the cache key."""
+    from uacompile.targets.cuda.build import build
+
+    op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16", num_splits=splits, fused_merge=splits > 1)
+    plain = build(op, arch).path
+    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", flags)
+    switched = build(op, arch).path
+    assert switched.exists() and switched != plain
+
+
 @pytest.mark.parametrize("op", [
     ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16", item_queue=True),  # the benchmarks' launch (dynamic queue)
     ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16", num_splits=3, fused_merge=True),  # static, fused merge
