@@ -60,7 +60,7 @@ CANDIDATES = {
     "prefill-item-off": "|-DUA_PREFILL_ITEM=0",  # before v23 (prefill per-item cost): decode rows did not move
     "lean-off": "|-DUA_SOFTMAX_LEAN=0",  # the softmax before v21 (decode warps share softmax_core)
     "quant-dequant": "|-DUA_QUANT_FAST=0",  # quantised decode through the smem dequantising pass (before v22)
-    # the 16-bit K/V tile layout (session 8): production keeps padded rows
+    # the 16-bit K/V tile layout (v36): production swizzles the rows since session 9
     "padded": "|-DUA_TILE_SWIZZLE=0",
     "swizzled": "|-DUA_TILE_SWIZZLE=1",
 }

@@ -122,12 +122,12 @@ def test_attention_load_hint_switches_compile(flags, monkeypatch):
     assert switched.exists() and switched != plain
 
 
-@pytest.mark.parametrize("flags", ["-DUA_TILE_SWIZZLE=1"])
+@pytest.mark.parametrize("flags", ["-DUA_TILE_SWIZZLE=0"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # decode groups on both; sm_80 also the mma.sync prefill tiles
 def test_attention_tile_swizzle_switch_compiles(flags, splits, arch, monkeypatch):
-    """The 16-bit K/V tile layout switch (padded rows by default, -DUA_TILE_SWIZZLE=1 swizzled:
-    bench/NOTES-attention.md session 8) builds either way on both paths; =1 changes the cache key."""
+    """The 16-bit K/V tile layout switch (swizzled rows by default, -DUA_TILE_SWIZZLE=0 the padded ones:
+    bench/NOTES-attention.md v36) builds either way on both paths; =0 changes the cache key."""
     from uacompile.targets.cuda.build import build
 
     op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16", num_splits=splits, fused_merge=splits > 1)
@@ -370,3 +370,56 @@ def test_benchmark_launches_keep_wgmma_unserialised(tmp_path, monkeypatch):
     res = build(ops, "sm_90")
     warnings = json.loads((res.path.parent / "build.json").read_text())["warnings"]
     assert not [w for w in warnings if "wgmma" in w], warnings
+
+
+def test_serialised_kernels_names_the_ops():
+    """ptxas' C7511 note names the kernel by its mangled name; build() maps it to the op's symbol (this
+    line is from a real build of the 4-split item-queue op)."""
+    from uacompile.targets.cuda.build import serialised_kernels
+
+    note = ("ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+            "insufficient register resources for the wgmma pipeline in the function "
+            "'_ZN36ua_paged_attention_2c7522e2833b_impl22paged_attention_kernelENS_6ParamsE14CUtensorMap_stS1_'")
+    assert serialised_kernels([note, "kernels.cu(3): warning #177-D: variable \"X\" was declared"]) == {
+        "ua_paged_attention_2c7522e2833b"}
+    assert serialised_kernels(["ptxas info    : Used 168 registers"]) == set()
+
+
+def test_code_shapes_render_one_computation_several_ways():
+    """attention.CODE_SHAPES: shape 0 and 1 swizzle the K/V rows (dynamic smem 128-byte aligned), the last
+    is the padded rows; a shape outside the list is refused."""
+    from uacompile.targets.cuda import attention
+    from uacompile.targets.cuda.render import code_shapes, render_op
+
+    op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16", num_splits=4, fused_merge=True)
+    assert code_shapes(op) == len(attention.CODE_SHAPES) == 3
+    assert code_shapes(ir.ReshapeAndCache(num_kv_heads=8, head_dim=128)) == 1
+    srcs = [render_op(op, "sm_90", s) for s in range(3)]
+    for s, src in enumerate(srcs):
+        assert f"constexpr int TILE_SHAPE = {s};" in src
+    assert len(set(srcs)) == 3
+    with pytest.raises(ValueError, match="code shape"):
+        render_op(op, "sm_90", 3)
+    with pytest.raises(ValueError, match="code shape"):
+        render_op(ir.ReshapeAndCache(num_kv_heads=8, head_dim=128), "sm_90", 1)
+
+
+def test_build_retries_serialised_kernels_in_the_next_code_shape(tmp_path, monkeypatch):
+    """build() renders an op whose wgmma ptxas serialised in its next code shape and builds again. The ops
+    paged_attention() launches for 2, 16 and 32 splits (the padded rows of production before session 9
+    serialised 2 and 16) come out unserialised; build.json keeps every attempt, and each attempt moves
+    exactly the serialised ops on by one shape."""
+    from uacompile.targets.cuda import attention
+    from uacompile.targets.cuda.build import build
+
+    monkeypatch.setenv("UACOMPILE_CACHE_DIR", str(tmp_path))
+    op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16")
+    ops = [attention.launched_op(op, s, design=attention.design_of("")) for s in (2, 16, 32)]
+    rec = json.loads((build(ops, "sm_90").path.parent / "build.json").read_text())
+    assert not [w for w in rec["warnings"] if "wgmma" in w], rec["attempts"]
+    attempts = rec["attempts"]
+    assert attempts[0]["shapes"] == {o.symbol(): 0 for o in ops}
+    for before, after in zip(attempts, attempts[1:]):
+        assert {k for k in before["shapes"] if after["shapes"][k] != before["shapes"][k]} == set(before["serialised"])
+        assert all(after["shapes"][k] == before["shapes"][k] + 1 for k in before["serialised"])
+    assert attempts[-1]["shapes"] == rec["code_shapes"] and not attempts[-1]["serialised"]

@@ -186,8 +186,22 @@ def load_designs(designs: dict, ops: list, arch: str | None = None) -> dict:
     return load(DESIGN_ENV, designs, ops, arch)
 
 
-def template_context(op: ir.PagedAttention, arch: str = "sm_90") -> tuple[str, dict]:
+# Shapes of the same kernel the build may render (the template's TILE_SHAPE). ptxas serialises the wgmma
+# prefill (C7511: 0.72x prefill, session 8) of some kernels, a different set for each shape of unrelated
+# decode code (sm_90, bf16 D 128, splits 1..64: shape 0 serialises 2, 4, 8, 16, 33, 48; shape 1: 1, 8, 32;
+# padded rows, production before session 9: 2, 8, 16, 33, 48). build.py renders a serialised kernel again
+# with the next shape. Entry i: what shape i is.
+CODE_SHAPES = (
+    "swizzled K/V rows, V's ldmatrix addresses made once a tile",
+    "swizzled K/V rows, V's ldmatrix addresses made at each use",
+    "padded K/V rows (16 bytes a row; lines split across smem segments)",
+)
+
+
+def template_context(op: ir.PagedAttention, arch: str = "sm_90", shape: int = 0) -> tuple[str, dict]:
     check(op)
+    if not 0 <= shape < len(CODE_SHAPES):
+        raise ValueError(f"shape: expected 0..{len(CODE_SHAPES) - 1} (attention.CODE_SHAPES), got {shape}")
     lay = layout(op, arch)
     design = design_of()
     design["pdl"] = design["pdl"] == "1" and arch in HOPPER_ARCHS  # griddepcontrol is sm_90+
@@ -200,7 +214,7 @@ def template_context(op: ir.PagedAttention, arch: str = "sm_90") -> tuple[str, d
         scale_c=_c_float(op.sm_scale), bn_prefill=lay.bn_prefill, mt_prefill=lay.mt_prefill, kv_rows=lay.kv_rows, stages=lay.stages,
         smem_bytes=lay.smem_bytes, min_blocks=lay.min_blocks, prefill_rows=lay.prefill_rows, groups=lay.decode_groups,
         wgmma=lay.wgmma, design=design, dynamic=dynamic_prefill(op, arch),
-        bn_wg=lay.bn_wg, stages_wg=lay.stages_wg, smem_prefill=lay.smem_prefill)
+        bn_wg=lay.bn_wg, stages_wg=lay.stages_wg, smem_prefill=lay.smem_prefill, code_shape=shape)
 
 
 # ---------------------------------------------------------------- split-KV choice

@@ -10,12 +10,15 @@ folder keeps kernels.cu and build.json beside lib.so. A failed build raises Buil
 with nvcc's message and the path of the kept source. arch: "sm_80", "sm_90", "sm_90a",
 or None = the current GPU (sm_90 without one). A template marked UA_REQUIRES_SM90A is
 built for sm_90a when arch is sm_90. Env: UACOMPILE_NVCC (default: nvcc on PATH, then
-$CUDA_HOME/bin/nvcc), UACOMPILE_NVCC_FLAGS (extra flags, part of the key).
+$CUDA_HOME/bin/nvcc), UACOMPILE_NVCC_FLAGS (extra flags, part of the key). A kernel whose wgmma
+ptxas serialises (C7511) is rendered in its template's next code shape and the unit built again
+(render.code_shapes; the shapes compute the same thing), so a build may run nvcc more than once.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -26,7 +29,7 @@ from typing import Iterable
 
 from ... import ir
 from ...cache import cache_dir, cached_build, content_hash, toolchain_versions
-from .render import needs_sm90a, render_op
+from .render import code_shapes, needs_sm90a, render_op
 
 # -fno-gnu-unique: static locals of inline/template code (a launcher's "attribute set once" flag)
 # would otherwise be one object across every library of the process, so a second library of the
@@ -34,7 +37,9 @@ from .render import needs_sm90a, render_op
 BASE_FLAGS = ("-O3", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fno-gnu-unique", "-std=c++17", "-lineinfo")
 # What build.json records, as part of the key: 2 since ptxas' "Performance Loss" lines are kept (builds cached
 # before that recorded no C75xx line, so a guard reading them passed whatever ptxas said)
-BUILD_RECORD = 2
+BUILD_RECORD = 3  # 3: a kernel ptxas serialised is built again with its next code shape
+# ptxas' note names the kernel: "... in the function '_ZN<len><symbol>_impl..."
+SERIALISED = re.compile(r"function '_ZN\d+(\w+?)_impl")
 
 
 def compiler_warnings(output: str) -> list[str]:
@@ -100,8 +105,16 @@ def nvcc_flags(arch: str, source: str) -> list[str]:
     return [*BASE_FLAGS, *arch_flags(arch, source), *extra]
 
 
+def serialised_kernels(warnings: list[str]) -> set[str]:
+    """Op symbols whose kernel ptxas built with serialised wgmma (C7511 / C7520; kernels are named
+    <symbol>_impl::...)."""
+    return {m.group(1) for w in warnings if "wgmma" in w and (m := SERIALISED.search(w))}
+
+
 def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> BuildResult:
-    """Build (or find in the cache) one .so holding the launchers of every op in ops."""
+    """Build (or find in the cache) one .so holding the launchers of every op in ops. An op whose kernel
+    ptxas serialised (wgmma) is rendered with its next code shape (render.code_shapes) and the unit
+    built again, until no kernel with a shape left is serialised; build.json keeps each attempt."""
     t0 = time.perf_counter()
     ops = [ops] if isinstance(ops, ir.OpSpec) else list(ops)
     if not ops:
@@ -114,22 +127,39 @@ def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Buil
     key = content_hash([op.to_dict() for op in ops], source, toolchain_versions(nvcc), flags, BUILD_RECORD)
 
     def compile_into(folder: Path) -> None:
-        cu = folder / "kernels.cu"
-        cu.write_text(source)
-        cmd = [nvcc, *flags, "-o", str(folder / "lib.so"), str(cu)]
-        started = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            kept = cache_dir() / "cuda-failed" / f"{key[:16]}.cu"
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            kept.write_text(source)
-            msg = (proc.stderr or proc.stdout).strip().splitlines()
-            raise BuildError(f"nvcc failed for {[op.symbol() for op in ops]} (source kept at {kept}):\n"
-                             + "\n".join(msg[-40:]) + f"\ncommand: {shlex.join(cmd)}")
-        warnings = compiler_warnings(proc.stderr + proc.stdout)
+        shapes = {op.symbol(): 0 for op in ops}
+        src, attempts, settled, started = source, [], set(), time.perf_counter()
+        while True:
+            cu = folder / "kernels.cu"
+            cu.write_text(src)
+            cmd = [nvcc, *flags, "-o", str(folder / "lib.so"), str(cu)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                kept = cache_dir() / "cuda-failed" / f"{key[:16]}.cu"
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                kept.write_text(src)
+                msg = (proc.stderr or proc.stdout).strip().splitlines()
+                raise BuildError(f"nvcc failed for {[op.symbol() for op in ops]} (source kept at {kept}):\n"
+                                 + "\n".join(msg[-40:]) + f"\ncommand: {shlex.join(cmd)}")
+            warnings = compiler_warnings(proc.stderr + proc.stdout)
+            serialised = sorted(serialised_kernels(warnings))
+            attempts.append(dict(shapes=dict(shapes), serialised=serialised))
+            bad = [op for op in ops if op.symbol() in serialised and op.symbol() not in settled]
+            retry = [op for op in bad if shapes[op.symbol()] + 1 < code_shapes(op)]
+            # serialised in every shape: back to shape 0 (the fastest decode), in one last build
+            hopeless = [op for op in bad if op not in retry and shapes[op.symbol()] > 0]
+            if not retry and not hopeless:
+                break
+            for op in retry:
+                shapes[op.symbol()] += 1
+            for op in hopeless:
+                shapes[op.symbol()] = 0
+                settled.add(op.symbol())
+            src = "\n".join(render_op(op, arch, shapes[op.symbol()]) for op in ops)
         (folder / "build.json").write_text(json.dumps(
             dict(ops=[op.to_dict() for op in ops], arch=arch, flags=flags, nvcc=toolchain_versions(nvcc),
-                 seconds=round(time.perf_counter() - started, 3), warnings=warnings), indent=1, default=str))
+                 seconds=round(time.perf_counter() - started, 3), warnings=warnings, code_shapes=shapes,
+                 attempts=attempts), indent=1, default=str))
 
     folder, hit = cached_build("cuda", key, compile_into)
     return BuildResult(folder / "lib.so", hit, time.perf_counter() - t0, key, arch)

@@ -163,8 +163,12 @@ def _merge_state(op: ir.MergeState, arch: str):
         group=lane_group(op.head_dim // vec), threads=256, return_lse=op.return_lse)
 
 
-def _paged_attention(op, arch: str):
-    return importlib.import_module(".attention", __package__).template_context(op, arch)
+def _attention():
+    return importlib.import_module(".attention", __package__)
+
+
+def _paged_attention(op, arch: str, shape: int = 0):
+    return _attention().template_context(op, arch, shape)
 
 
 CONTEXT_BUILDERS = {
@@ -176,11 +180,20 @@ CONTEXT_BUILDERS = {
 }
 
 
-def render_op(op: ir.OpSpec, arch: str = "sm_90") -> str:
-    """The complete CUDA source (header included) of op for arch, with its extern "C" launcher."""
+def code_shapes(op: ir.OpSpec) -> int:
+    """How many shapes of the same code op's template renders (render_op's shape; build.py retries a
+    kernel ptxas serialised with the next one). 1 for templates without alternatives."""
+    return len(_attention().CODE_SHAPES) if op.kind == "paged_attention" else 1
+
+
+def render_op(op: ir.OpSpec, arch: str = "sm_90", shape: int = 0) -> str:
+    """The complete CUDA source (header included) of op for arch, with its extern "C" launcher; shape
+    picks one of code_shapes(op) renderings of the same computation."""
     if op.kind not in CONTEXT_BUILDERS:
         raise ir.IRError("op", f"has no CUDA template: {op.kind!r} (have {sorted(CONTEXT_BUILDERS)})")
-    template, ctx = CONTEXT_BUILDERS[op.kind](op, arch)
+    if not 0 <= shape < code_shapes(op):
+        raise ValueError(f"shape: {op.kind} has {code_shapes(op)} code shape(s), got {shape}")
+    template, ctx = CONTEXT_BUILDERS[op.kind](op, arch, shape) if shape else CONTEXT_BUILDERS[op.kind](op, arch)
     common = dict(op=op, symbol=op.symbol(), ns=f"{op.symbol()}_impl", signature=ir.c_signature(op), ctype=CTYPE)
     return environment().get_template(template).render(**common, **ctx)
 
