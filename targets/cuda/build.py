@@ -10,9 +10,9 @@ folder keeps kernels.cu and build.json beside lib.so. A failed build raises Buil
 with nvcc's message and the path of the kept source. arch: "sm_80", "sm_90", "sm_90a",
 or None = the current GPU (sm_90 without one). A template marked UA_REQUIRES_SM90A is
 built for sm_90a when arch is sm_90. Env: UACOMPILE_NVCC (default: nvcc on PATH, then
-$CUDA_HOME/bin/nvcc), UACOMPILE_NVCC_FLAGS (extra flags, part of the key). A kernel whose wgmma
-ptxas serialises (C7511) is rendered in its template's next code shape and the unit built again
-(render.code_shapes; the shapes compute the same thing), so a build may run nvcc more than once.
+$CUDA_HOME/bin/nvcc), UACOMPILE_NVCC_FLAGS (extra flags, part of the key). An op with several code shapes (render.code_shapes: the same
+computation rendered differently, because ptxas serialises the wgmma (C7511) of some kernels in one
+shape and not another) is built in shapes 0 and 1 at once; each op keeps its first unserialised shape.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import shlex
 import shutil
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -112,9 +113,10 @@ def serialised_kernels(warnings: list[str]) -> set[str]:
 
 
 def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> BuildResult:
-    """Build (or find in the cache) one .so holding the launchers of every op in ops. An op whose kernel
-    ptxas serialised (wgmma) is rendered with its next code shape (render.code_shapes) and the unit
-    built again, until no kernel with a shape left is serialised; build.json keeps each attempt."""
+    """Build (or find in the cache) one .so holding the launchers of every op in ops. Where an op has
+    several code shapes (render.code_shapes), the unit is first built with every op in shape 0 and, at the
+    same time, in shape 1; each op keeps the first shape ptxas did not serialise (wgmma), and a unit of
+    mixed shapes, or one with a later shape, is built after. build.json keeps each attempt."""
     t0 = time.perf_counter()
     ops = [ops] if isinstance(ops, ir.OpSpec) else list(ops)
     if not ops:
@@ -125,14 +127,17 @@ def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Buil
     flags = nvcc_flags(arch, source)
     nvcc = nvcc_path()
     key = content_hash([op.to_dict() for op in ops], source, toolchain_versions(nvcc), flags, BUILD_RECORD)
+    n_shapes = {op.symbol(): code_shapes(op, arch) for op in ops}
 
     def compile_into(folder: Path) -> None:
-        shapes = {op.symbol(): 0 for op in ops}
-        src, attempts, settled, started = source, [], set(), time.perf_counter()
-        while True:
-            cu = folder / "kernels.cu"
-            cu.write_text(src)
-            cmd = [nvcc, *flags, "-o", str(folder / "lib.so"), str(cu)]
+        started, built = time.perf_counter(), {}  # shape vector -> (its folder, serialised symbols, warnings)
+
+        def compile_shapes(shapes: tuple[int, ...]) -> None:
+            sub = folder / ("shapes-" + "".join(map(str, shapes)))
+            sub.mkdir()
+            src = source if not any(shapes) else "\n".join(render_op(op, arch, s) for op, s in zip(ops, shapes))
+            (sub / "kernels.cu").write_text(src)
+            cmd = [nvcc, *flags, "-o", str(sub / "lib.so"), str(sub / "kernels.cu")]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 kept = cache_dir() / "cuda-failed" / f"{key[:16]}.cu"
@@ -142,24 +147,38 @@ def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Buil
                 raise BuildError(f"nvcc failed for {[op.symbol() for op in ops]} (source kept at {kept}):\n"
                                  + "\n".join(msg[-40:]) + f"\ncommand: {shlex.join(cmd)}")
             warnings = compiler_warnings(proc.stderr + proc.stdout)
-            serialised = sorted(serialised_kernels(warnings))
-            attempts.append(dict(shapes=dict(shapes), serialised=serialised))
-            bad = [op for op in ops if op.symbol() in serialised and op.symbol() not in settled]
-            retry = [op for op in bad if shapes[op.symbol()] + 1 < code_shapes(op)]
-            # serialised in every shape: back to shape 0 (the fastest decode), in one last build
-            hopeless = [op for op in bad if op not in retry and shapes[op.symbol()] > 0]
-            if not retry and not hopeless:
-                break
-            for op in retry:
-                shapes[op.symbol()] += 1
-            for op in hopeless:
-                shapes[op.symbol()] = 0
-                settled.add(op.symbol())
-            src = "\n".join(render_op(op, arch, shapes[op.symbol()]) for op in ops)
+            built[shapes] = (sub, serialised_kernels(warnings), warnings)
+
+        def compile_all(vectors: list[tuple[int, ...]]) -> None:
+            with ThreadPoolExecutor(len(vectors)) as pool:  # nvcc runs in its own process
+                for f in [pool.submit(compile_shapes, v) for v in vectors]:
+                    f.result()
+
+        # each op's shape: the first one tried that ptxas did not serialise; tried in order, two at a time
+        first = [tuple(min(s, n_shapes[op.symbol()] - 1) for op in ops) for s in (0, 1)]
+        compile_all(list(dict.fromkeys(first)))
+        chosen = None
+        while chosen is None or chosen not in built:
+            if chosen is not None:
+                compile_all([chosen])
+            chosen = []
+            for i, op in enumerate(ops):
+                tried = sorted({v[i] for v in built})
+                clean = [s for s in tried if not any(v[i] == s and op.symbol() in bad for v, (_, bad, _) in built.items())]
+                untried = [s for s in range(n_shapes[op.symbol()]) if s not in tried]
+                # serialised in every shape: shape 0 (the fastest decode)
+                chosen.append(clean[0] if clean else untried[0] if untried else 0)
+            chosen = tuple(chosen)
+        sub, _, warnings = built[chosen]
+        for name in ("kernels.cu", "lib.so"):
+            os.replace(sub / name, folder / name)
+        for v in built:
+            shutil.rmtree(built[v][0], ignore_errors=True)
+        attempts = [dict(shapes=dict(zip([o.symbol() for o in ops], v)), serialised=sorted(bad)) for v, (_, bad, _) in built.items()]
         (folder / "build.json").write_text(json.dumps(
             dict(ops=[op.to_dict() for op in ops], arch=arch, flags=flags, nvcc=toolchain_versions(nvcc),
-                 seconds=round(time.perf_counter() - started, 3), warnings=warnings, code_shapes=shapes,
-                 attempts=attempts), indent=1, default=str))
+                 seconds=round(time.perf_counter() - started, 3), warnings=warnings,
+                 code_shapes=dict(zip([o.symbol() for o in ops], chosen)), attempts=attempts), indent=1, default=str))
 
     folder, hit = cached_build("cuda", key, compile_into)
     return BuildResult(folder / "lib.so", hit, time.perf_counter() - t0, key, arch)

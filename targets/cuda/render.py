@@ -180,10 +180,13 @@ CONTEXT_BUILDERS = {
 }
 
 
-def code_shapes(op: ir.OpSpec) -> int:
-    """How many shapes of the same code op's template renders (render_op's shape; build.py retries a
-    kernel ptxas serialised with the next one). 1 for templates without alternatives."""
-    return len(_attention().CODE_SHAPES) if op.kind == "paged_attention" else 1
+def code_shapes(op: ir.OpSpec, arch: str = "sm_90") -> int:
+    """How many shapes of the same code op's template renders for arch (render_op's shape; build.py tries
+    them for kernels whose wgmma ptxas serialised). 1 for templates without alternatives and for kernels
+    without wgmma (nothing to serialise)."""
+    if op.kind != "paged_attention" or not _attention().uses_wgmma(op, arch):
+        return 1
+    return len(_attention().CODE_SHAPES)
 
 
 def render_op(op: ir.OpSpec, arch: str = "sm_90", shape: int = 0) -> str:
@@ -191,8 +194,8 @@ def render_op(op: ir.OpSpec, arch: str = "sm_90", shape: int = 0) -> str:
     picks one of code_shapes(op) renderings of the same computation."""
     if op.kind not in CONTEXT_BUILDERS:
         raise ir.IRError("op", f"has no CUDA template: {op.kind!r} (have {sorted(CONTEXT_BUILDERS)})")
-    if not 0 <= shape < code_shapes(op):
-        raise ValueError(f"shape: {op.kind} has {code_shapes(op)} code shape(s), got {shape}")
+    if not 0 <= shape < code_shapes(op, arch):
+        raise ValueError(f"shape: {op.kind} has {code_shapes(op, arch)} code shape(s) on {arch}, got {shape}")
     template, ctx = CONTEXT_BUILDERS[op.kind](op, arch, shape) if shape else CONTEXT_BUILDERS[op.kind](op, arch)
     common = dict(op=op, symbol=op.symbol(), ns=f"{op.symbol()}_impl", signature=ir.c_signature(op), ctype=CTYPE)
     return environment().get_template(template).render(**common, **ctx)
