@@ -408,8 +408,8 @@ def test_code_shapes_render_one_computation_several_ways():
 
 
 def test_build_keeps_each_kernel_in_its_first_unserialised_code_shape(tmp_path, monkeypatch):
-    """build() builds the unit in code shapes 0 and 1 at once and keeps, for each op, the first shape whose
-    wgmma ptxas did not serialise (a unit of mixed shapes is built after). The ops paged_attention()
+    """build() builds the unit in code shapes 0, 1, ... at once (at least two) and keeps, for each op, the
+    first shape whose wgmma ptxas did not serialise (a unit of mixed shapes is built after). The ops paged_attention()
     launches for 1, 2, 16 and 32 splits (the padded rows of production before session 9 serialised 2 and
     16; shape 0 serialises 2 and 16, shape 1 serialises 1 and 32) come out unserialised; build.json keeps
     every attempt."""

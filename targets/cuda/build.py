@@ -12,7 +12,7 @@ or None = the current GPU (sm_90 without one). A template marked UA_REQUIRES_SM9
 built for sm_90a when arch is sm_90. Env: UACOMPILE_NVCC (default: nvcc on PATH, then
 $CUDA_HOME/bin/nvcc), UACOMPILE_NVCC_FLAGS (extra flags, part of the key). An op with several code shapes (render.code_shapes: the same
 computation rendered differently, because ptxas serialises the wgmma (C7511) of some kernels in one
-shape and not another) is built in shapes 0 and 1 at once; each op keeps its first unserialised shape.
+shape and not another) is built in several shapes at once; each op keeps its first unserialised shape.
 """
 from __future__ import annotations
 
@@ -114,9 +114,9 @@ def serialised_kernels(warnings: list[str]) -> set[str]:
 
 def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> BuildResult:
     """Build (or find in the cache) one .so holding the launchers of every op in ops. Where an op has
-    several code shapes (render.code_shapes), the unit is first built with every op in shape 0 and, at the
-    same time, in shape 1; each op keeps the first shape ptxas did not serialise (wgmma), and a unit of
-    mixed shapes, or one with a later shape, is built after. build.json keeps each attempt."""
+    several code shapes (render.code_shapes), the unit is first built with every op in shape 0, 1, ... at
+    once (as many as there are cores, at least 2); each op keeps the first shape ptxas did not serialise
+    (wgmma), shape 0 if none, and a unit of mixed shapes is built after. build.json keeps each attempt."""
     t0 = time.perf_counter()
     ops = [ops] if isinstance(ops, ir.OpSpec) else list(ops)
     if not ops:
@@ -154,8 +154,11 @@ def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Buil
                 for f in [pool.submit(compile_shapes, v) for v in vectors]:
                     f.result()
 
-        # each op's shape: the first one tried that ptxas did not serialise; tried in order, two at a time
-        first = [tuple(min(s, n_shapes[op.symbol()] - 1) for op in ops) for s in (0, 1)]
+        # each op's shape: the first one (in order) that ptxas did not serialise. The first round builds the
+        # unit in as many shapes as there are cores (at least 2: a single op is then done in one round
+        # unless it serialises in both); which shape an op keeps does not depend on the round width.
+        width = max(2, min(max(n_shapes.values()), os.cpu_count() or 2))
+        first = [tuple(min(s, n_shapes[op.symbol()] - 1) for op in ops) for s in range(width)]
         compile_all(list(dict.fromkeys(first)))
         chosen = None
         while chosen is None or chosen not in built:
