@@ -189,8 +189,8 @@ def load_designs(designs: dict, ops: list, arch: str | None = None) -> dict:
 # Shapes of the same kernel the build may render (the template's TILE_SHAPE). ptxas serialises the wgmma
 # prefill (C7511: 0.72x prefill, session 8) of some kernels, a different set for each shape of unrelated
 # decode code (sm_90, bf16 D 128, splits 1..64: shape 0 serialises 2, 4, 8, 16, 33, 48; shape 1: 1, 8, 32;
-# padded rows, production before session 9: 2, 8, 16, 33, 48). build.py renders a serialised kernel again
-# with the next shape. Entry i: what shape i is.
+# padded rows, production before session 9: 2, 8, 16, 33, 48). build.py builds the unit in several shapes and
+# keeps, per op, the first shape ptxas did not serialise. Entry i: what shape i is.
 CODE_SHAPES = (
     "swizzled K/V rows, V's ldmatrix addresses made once a tile",
     "swizzled K/V rows, V's ldmatrix addresses made at each use",

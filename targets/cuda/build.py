@@ -159,19 +159,22 @@ def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Buil
         # unless it serialises in both); which shape an op keeps does not depend on the round width.
         width = max(2, min(max(n_shapes.values()), os.cpu_count() or 2))
         first = [tuple(min(s, n_shapes[op.symbol()] - 1) for op in ops) for s in range(width)]
-        compile_all(list(dict.fromkeys(first)))
-        chosen = None
-        while chosen is None or chosen not in built:
-            if chosen is not None:
-                compile_all([chosen])
+        def pick() -> tuple[int, ...]:
+            """Per op: its first clean shape built so far, else its next unbuilt one, else 0 (serialised in
+            every shape: shape 0 has the fastest decode)."""
             chosen = []
             for i, op in enumerate(ops):
                 tried = sorted({v[i] for v in built})
                 clean = [s for s in tried if not any(v[i] == s and op.symbol() in bad for v, (_, bad, _) in built.items())]
                 untried = [s for s in range(n_shapes[op.symbol()]) if s not in tried]
-                # serialised in every shape: shape 0 (the fastest decode)
                 chosen.append(clean[0] if clean else untried[0] if untried else 0)
-            chosen = tuple(chosen)
+            return tuple(chosen)
+
+        compile_all(list(dict.fromkeys(first)))
+        chosen = pick()
+        while chosen not in built:
+            compile_all([chosen])
+            chosen = pick()
         sub, _, warnings = built[chosen]
         for name in ("kernels.cu", "lib.so"):
             os.replace(sub / name, folder / name)
