@@ -372,6 +372,32 @@ def test_benchmark_launches_keep_wgmma_unserialised(tmp_path, monkeypatch):
     assert not [w for w in warnings if "wgmma" in w], warnings
 
 
+# The census' worst cases (bench/wgmma_census.py; bench/results/wgmma-census-2026-11-30.md): before v37, ptxas
+# serialised their wgmmas (C7511) in every code shape, so build() kept a serialised kernel (0.72x prefill): the
+# benchmarks' config at 8 and 24 splits, and a GPU-test config (D 64, fp16) at one split
+WGMMA_WORST = [(PA(32, 8, 128, 16, "bf16", "bf16"), 8), (PA(32, 8, 128, 16, "bf16", "bf16"), 24),
+               (PA(16, 4, 64, 16, "fp16", "fp16"), 1)]
+
+
+def test_census_worst_cases_keep_wgmma_unserialised_in_code_shape_0(tmp_path, monkeypatch):
+    """The half-wide last tile's scores in registers of their own (bench/NOTES-attention.md v37): the launched ops
+    that ptxas serialised in every code shape build unserialised in shape 0, which build() keeps; with
+    -DUA_PREFILL_HALF_OWN=0 (the scores in the first half of s) the 8-split op serialises again in shape 0, so this
+    test sees what it guards."""
+    from uacompile.targets.cuda import attention
+    from uacompile.targets.cuda.build import build
+
+    monkeypatch.setenv("UACOMPILE_CACHE_DIR", str(tmp_path))
+    ops = [attention.launched_op(op, s, design=attention.design_of("")) for op, s in WGMMA_WORST]
+    rec = json.loads((build(ops, "sm_90").path.parent / "build.json").read_text())
+    assert not [w for w in rec["warnings"] if "wgmma" in w], rec["attempts"]
+    assert set(rec["code_shapes"].values()) == {0}, rec["attempts"]
+    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_HALF_OWN=0")
+    rec = json.loads((build(ops[0], "sm_90").path.parent / "build.json").read_text())
+    shape0 = [a for a in rec["attempts"] if a["shapes"] == {ops[0].symbol(): 0}]
+    assert shape0 and shape0[0]["serialised"] == [ops[0].symbol()], rec["attempts"]
+
+
 def test_serialised_kernels_names_the_ops():
     """ptxas' C7511 note names the kernel by its mangled name; build() maps it to the op's symbol (this
     line is from a real build of the 4-split item-queue op)."""
@@ -410,9 +436,8 @@ def test_code_shapes_render_one_computation_several_ways():
 def test_build_keeps_each_kernel_in_its_first_unserialised_code_shape(tmp_path, monkeypatch):
     """build() builds the unit in code shapes 0, 1, ... at once (at least two) and keeps, for each op, the
     first shape whose wgmma ptxas did not serialise (a unit of mixed shapes is built after). The ops paged_attention()
-    launches for 1, 2, 16 and 32 splits (the padded rows of production before session 9 serialised 2 and
-    16; shape 0 serialises 2 and 16, shape 1 serialises 1 and 32) come out unserialised; build.json keeps
-    every attempt."""
+    launches for 1, 2, 16 and 32 splits (before v37's HALF_OWN, shape 0 serialised 2 and 16, shape 1 1 and 32;
+    since, none) come out unserialised; build.json keeps every attempt."""
     from uacompile.targets.cuda import attention
     from uacompile.targets.cuda.build import build
 

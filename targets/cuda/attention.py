@@ -186,11 +186,13 @@ def load_designs(designs: dict, ops: list, arch: str | None = None) -> dict:
     return load(DESIGN_ENV, designs, ops, arch)
 
 
-# Shapes of the same kernel the build may render (the template's TILE_SHAPE). ptxas serialises the wgmma
+# Shapes of the same kernel the build may render (the template's TILE_SHAPE). ptxas serialised the wgmma
 # prefill (C7511: 0.72x prefill, session 8) of some kernels, a different set for each shape of unrelated
-# decode code (sm_90, bf16 D 128, splits 1..64: shape 0 serialises 2, 4, 8, 16, 33, 48; shape 1: 1, 8, 32;
-# padded rows, production before session 9: 2, 8, 16, 33, 48). build.py builds the unit in several shapes and
-# keeps, per op, the first shape ptxas did not serialise. Entry i: what shape i is.
+# decode code (sm_90, bf16 D 128, splits 1..64: shape 0 serialised 2, 4, 8, 16, 33, 48; shape 1: 1, 8, 32;
+# padded rows, production before session 9: 2, 8, 16, 33, 48). The cause was the half-wide last tile's
+# scores aliasing the first half of S (bench/NOTES-attention.md v37, UA_PREFILL_HALF_OWN): since then the
+# CPU census (bench/wgmma_census.py) finds no serialised kernel in shape 0, so build() keeps shape 0; it still
+# renders a kernel ptxas serialises again with the next shape. Entry i: what shape i is.
 CODE_SHAPES = (
     "swizzled K/V rows, V's ldmatrix addresses made once a tile",
     "swizzled K/V rows, V's ldmatrix addresses made at each use",
