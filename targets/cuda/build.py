@@ -12,7 +12,7 @@ or None = the current GPU (sm_90 without one). A template marked UA_REQUIRES_SM9
 built for sm_90a when arch is sm_90. Env: UACOMPILE_NVCC (default: nvcc on PATH, then
 $CUDA_HOME/bin/nvcc), UACOMPILE_NVCC_FLAGS (extra flags, part of the key). An op with several code shapes (render.code_shapes: the same
 computation rendered differently, because ptxas serialises the wgmma (C7511) of some kernels in one
-shape and not another) is built in several shapes at once; each op keeps its first unserialised shape.
+shape and not another) is built in shape 0 and, where ptxas serialised it, rebuilt in its next shape.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import shlex
 import shutil
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -114,9 +113,9 @@ def serialised_kernels(warnings: list[str]) -> set[str]:
 
 def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> BuildResult:
     """Build (or find in the cache) one .so holding the launchers of every op in ops. Where an op has
-    several code shapes (render.code_shapes), the unit is first built with every op in shape 0, 1, ... at
-    once (as many as there are cores, at least 2); each op keeps the first shape ptxas did not serialise
-    (wgmma), shape 0 if none, and a unit of mixed shapes is built after. build.json keeps each attempt."""
+    several code shapes (render.code_shapes), the unit is built with every op in shape 0; an op whose wgmma
+    ptxas serialised is rebuilt in its next shape until it has a clean one (shape 0 if none is), a unit of
+    mixed shapes if need be. build.json keeps each attempt."""
     t0 = time.perf_counter()
     ops = [ops] if isinstance(ops, ir.OpSpec) else list(ops)
     if not ops:
@@ -149,16 +148,9 @@ def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Buil
             warnings = compiler_warnings(proc.stderr + proc.stdout)
             built[shapes] = (sub, serialised_kernels(warnings), warnings)
 
-        def compile_all(vectors: list[tuple[int, ...]]) -> None:
-            with ThreadPoolExecutor(len(vectors)) as pool:  # nvcc runs in its own process
-                for f in [pool.submit(compile_shapes, v) for v in vectors]:
-                    f.result()
-
-        # each op's shape: the first one (in order) that ptxas did not serialise. The first round builds the
-        # unit in as many shapes as there are cores (at least 2: a single op is then done in one round
-        # unless it serialises in both); which shape an op keeps does not depend on the round width.
-        width = max(2, min(max(n_shapes.values()), os.cpu_count() or 2))
-        first = [tuple(min(s, n_shapes[op.symbol()] - 1) for op in ops) for s in range(width)]
+        # each op's shape: the first one (in order) that ptxas did not serialise. Since v37 (the half-wide
+        # tile's scores of their own) shape 0 is clean in every op the census built, so one compile is the rule
+        # and the retry a guard against the next ptxas or template change.
         def pick() -> tuple[int, ...]:
             """Per op: its first clean shape built so far, else its next unbuilt one, else 0 (serialised in
             every shape: shape 0 has the fastest decode)."""
@@ -170,10 +162,9 @@ def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Buil
                 chosen.append(clean[0] if clean else untried[0] if untried else 0)
             return tuple(chosen)
 
-        compile_all(list(dict.fromkeys(first)))
-        chosen = pick()
+        chosen = (0,) * len(ops)
         while chosen not in built:
-            compile_all([chosen])
+            compile_shapes(chosen)
             chosen = pick()
         sub, _, warnings = built[chosen]
         for name in ("kernels.cu", "lib.so"):
