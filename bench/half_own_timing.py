@@ -12,7 +12,6 @@ device (~1-2 min, builds included):
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -23,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # PYTHONSAFEPATH runs leave the script's folder out
 from attention_bench import PagedBatch, op_of, spin_up_clocks  # noqa: E402
 from timing import time_graphs  # noqa: E402
-from uacompile.targets.cuda import api, attention  # noqa: E402
+from uacompile.targets.cuda import attention  # noqa: E402
 
 DESIGNS = {"own": "|-DUA_PREFILL_HALF_OWN=1", "aliased": "|-DUA_PREFILL_HALF_OWN=0"}
 # (sequences, query tokens each, context): choose_splits gives 8, 11, 16, 4 and 1 splits for the chunks
@@ -31,9 +30,10 @@ SHAPES = [(1, 64, 16384), (1, 96, 16384), (1, 32, 16384), (2, 96, 8192), (1, 128
           (8, 1, 16384)]
 
 
-def kept(lib, op) -> str:
-    """The code shape build() kept for op and whether ptxas serialised it (the library's build.json)."""
-    rec = json.loads((Path(lib.path).parent / "build.json").read_text())
+def kept(kern) -> str:
+    """The code shape build() kept for a CudaKernel's op and whether ptxas serialised it (its library's build.json)."""
+    op = kern.op
+    rec = json.loads((Path(kern.library.path).parent / "build.json").read_text())
     shape = rec["code_shapes"][op.symbol()]
     bad = any(a["shapes"][op.symbol()] == shape and op.symbol() in a["serialised"] for a in rec["attempts"]
               if op.symbol() in a["shapes"])
@@ -49,12 +49,8 @@ def main() -> int:
     splits = {shape: attention.choose_splits(op, shape[0] * shape[1], shape[0], shape[2]) for shape in SHAPES}
     ops = list(dict.fromkeys(attention.launched_op(op, s, design=attention.design_of("")) for s in splits.values()))
     t0 = time.perf_counter()
-    libs = attention.load_designs(DESIGNS, ops, "sm_90")
-    for name, lib in libs.items():
-        if isinstance(lib, Exception):
-            raise lib
-    print(f"# built {len(ops)} ops x {len(libs)} designs in {time.perf_counter() - t0:.0f} s", flush=True)
-    kernels = {name: functools.cache(lambda o, lib=lib: api.CudaKernel(o, library=lib)) for name, lib in libs.items()}
+    kernels = attention.design_kernels(DESIGNS, ops, "sm_90")
+    print(f"# built {len(ops)} ops x {len(kernels)} designs in {time.perf_counter() - t0:.0f} s", flush=True)
     spin_up_clocks()
     rows = []
     for (B, q_len, L), s in splits.items():
@@ -74,7 +70,7 @@ def main() -> int:
         run = attention.launched_op(op, s, design=attention.design_of(""))
         row = dict(shape=f"{B}x{q_len} at {L}", splits=s, own_ms=t["own"].ms, aliased_ms=t["aliased"].ms,
                    aliased_over_own=round(t["aliased"].ms / t["own"].ms, 3), bit_equal=same,
-                   own_kernel=kept(libs["own"], run), aliased_kernel=kept(libs["aliased"], run))
+                   own_kernel=kept(kernels["own"](run)), aliased_kernel=kept(kernels["aliased"](run)))
         rows.append(row)
         print(row, flush=True)
         del b, outs

@@ -325,6 +325,20 @@ def test_designs_build_side_by_side_and_a_bad_one_is_reported():
     assert build_failure(built["bad"]).startswith("build: ")
 
 
+def test_design_kernels_give_each_design_its_own_kernels_and_raise_a_failed_build():
+    """attention.design_kernels (the GPU tests' and timing scripts' kernel_of per design): each design's
+    CudaKernel comes from its own library, once per op; a design that does not build raises its error."""
+    from uacompile.targets.cuda import attention
+
+    op = ir.PagedAttention(8, 2, 64, 16, "fp16", "fp16")
+    kernels = attention.design_kernels({"swizzled": "", "padded": "|-DUA_TILE_SWIZZLE=0"}, [op], "sm_80")
+    swizzled, padded = kernels["swizzled"](op), kernels["padded"](op)
+    assert swizzled.op == padded.op == op and swizzled.library.path != padded.library.path
+    assert kernels["swizzled"](op) is swizzled
+    with pytest.raises(Exception, match="no_such_knob"):
+        attention.design_kernels({"production": "", "bad": "no_such_knob=1"}, [op], "sm_80")
+
+
 def test_an_invalid_op_in_a_design_build_comes_back_as_its_ir_error():
     """A build worker that raises IRError (a rule the op breaks) reports it: the error pickles with
     its field and rule instead of breaking the process pool for every design."""

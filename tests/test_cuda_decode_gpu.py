@@ -227,13 +227,7 @@ def design_kernels():
     torch_ = pytest.importorskip("torch")
     if not torch_.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from uacompile.targets.cuda import api as cuda_api
-
-    libs = attention.load_designs(DESIGNS, _design_ops())
-    for name, lib in libs.items():
-        if isinstance(lib, Exception):
-            raise lib
-    return {name: (lambda op, lib=lib: cuda_api.CudaKernel(op, library=lib)) for name, lib in libs.items()}
+    return attention.design_kernels(DESIGNS, _design_ops())
 
 
 @gpu

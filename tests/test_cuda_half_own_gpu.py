@@ -10,7 +10,6 @@ shapes). D 128, D 64, the masked softmax.
 """
 from __future__ import annotations
 
-import functools
 import zlib
 
 import numpy as np
@@ -58,16 +57,9 @@ def half_libs():
         pytest.skip("needs a CUDA GPU")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma path is for sm_90")
-    from uacompile.targets.cuda import api as cuda_api
-
     ops = list(dict.fromkeys(attention.launched_op(op, s, design=attention.design_of(""))
                              for op in OPS.values() for s in SPLITS))
-    kernels = {}
-    for name, lib in attention.load_designs(DESIGNS, ops, "sm_90").items():
-        if isinstance(lib, Exception):
-            raise lib
-        kernels[name] = functools.cache(lambda op, lib=lib: cuda_api.CudaKernel(op, library=lib))
-    return kernels
+    return attention.design_kernels(DESIGNS, ops, "sm_90")
 
 
 def run(op, splits, inputs, kernel_of):

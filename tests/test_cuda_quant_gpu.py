@@ -53,13 +53,7 @@ def quant_libs():
     """{design: kernel_of(op)}, each design's library built in its own process."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from uacompile.targets.cuda import api as cuda_api
-
-    libs = attention.load_designs(DESIGNS, _ops())
-    for lib in libs.values():
-        if isinstance(lib, Exception):
-            raise lib
-    return {name: (lambda op, lib=lib: cuda_api.CudaKernel(op, library=lib)) for name, lib in libs.items()}
+    return attention.design_kernels(DESIGNS, _ops())
 
 
 @pytest.fixture(scope="module")

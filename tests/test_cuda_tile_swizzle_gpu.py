@@ -33,16 +33,9 @@ def swizzle_libs():
     """{(design, arch): kernel_of(op)}."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from uacompile.targets.cuda import api as cuda_api
-
     ops = list(dict.fromkeys(fused(op, s) for op in OPS.values() for s in SPLITS))
-    kernels = {}
-    for arch in ARCHS:
-        for name, lib in attention.load_designs(DESIGNS, ops, arch).items():
-            if isinstance(lib, Exception):
-                raise lib
-            kernels[(name, arch)] = lambda op, lib=lib: cuda_api.CudaKernel(op, library=lib)
-    return kernels
+    return {(name, arch): kernel_of for arch in ARCHS
+            for name, kernel_of in attention.design_kernels(DESIGNS, ops, arch).items()}
 
 
 @gpu

@@ -186,6 +186,18 @@ def load_designs(designs: dict, ops: list, arch: str | None = None) -> dict:
     return load(DESIGN_ENV, designs, ops, arch)
 
 
+def design_kernels(designs: dict, ops: list, arch: str | None = None) -> dict:
+    """{name: kernel_of(op) -> CudaKernel of that design's library} for paged_attention(kernel_of=...), from
+    load_designs; raises the first design's build failure."""
+    from .api import CudaKernel
+
+    libs = load_designs(designs, ops, arch)
+    for lib in libs.values():
+        if isinstance(lib, Exception):
+            raise lib
+    return {name: functools.cache(lambda op, lib=lib: CudaKernel(op, library=lib)) for name, lib in libs.items()}
+
+
 # Shapes of the same kernel the build may render (the template's TILE_SHAPE). ptxas serialised the wgmma
 # prefill (C7511: 0.72x prefill, session 8) of some kernels, a different set for each shape of unrelated
 # decode code (sm_90, bf16 D 128, splits 1..64: shape 0 serialised 2, 4, 8, 16, 33, 48; shape 1: 1, 8, 32;
