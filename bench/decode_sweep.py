@@ -1,6 +1,6 @@
 """Decode split-KV sweep on the device: fused merge vs the two-launch path vs torch SDPA.
 
-    python3 bench/decode_sweep.py [--extra] [--json PATH]      # JSON also to $OUT/decode_sweep.json
+    python3 bench/decode_sweep.py [--extra] [--quant] [--json PATH]  # JSON also to $OUT/decode_sweep.json
     python3 bench/decode_sweep.py --candidates [NAME,...]      # decode fixed-cost designs side by side
 
 Rows are bench/attention_bench.py's decode shapes (bf16, Hq 32, Hkv 8, D 128, page 16, random
@@ -48,7 +48,8 @@ TOLERANCE = 2e-2  # bf16 output vs SDPA
 
 # name -> design ("k=v,..."; "" = production). See the template's header comment for each knob.
 CANDIDATES = {
-    "default": "",  # production: prologue=spec, merge=lean, grid=flat, pdl=1 (NOTES v15)
+    "default": "",  # production: prologue=spec, merge=lean, grid=flat, pdl=1 (NOTES v15), decode=only
+    "mixed": "decode=mixed",  # decode steps on the one mixed kernel (before session 11)
     "session3": "prologue=chain,merge=fence,grid=planes,pdl=0",
     "no-spec": "prologue=chain",
     "no-lean": "merge=fence",
@@ -69,14 +70,16 @@ CANDIDATE_SHAPES = [(1, 32768), (1, 4096), (8, 16384), (32, 4096), (128, 1024)]
 CANDIDATE_QUANT_SHAPES = [(kv, B, L) for kv in ("int8", "fp8_e4m3") for B, L in [(8, 16384), (1, 32768)]]
 
 
-def auto_splits(op, B: int, L: int) -> int:
-    """What paged_attention() picks on this device for B decode tokens at context L."""
+def auto_splits(op, B: int, L: int, design: dict | None = None) -> int:
+    """What paged_attention() picks on this device for B decode tokens at context L (on the decode-only
+    kernel's layout unless the design's decode knob says mixed)."""
+    op = op.replace(decode_only=attention.decode_launch(B, B, design), item_queue=False)
     return attention.choose_splits(op, B, B, L, attention._num_sms(0), attention._arch(0))
 
 
 def unit_slots(op) -> int:
     """(token, KV head, split) items the GPU runs at once: resident blocks x their decode groups."""
-    lay = attention.layout(op, attention._arch(0))
+    lay = attention.layout(op.replace(decode_only=attention.decode_launch(1, 1)), attention._arch(0))
     return attention._num_sms(0) * lay.blocks_per_sm * lay.decode_groups
 
 
@@ -93,8 +96,10 @@ QUANTIZED_ROWS = [(kv, B, L) for kv in ("int8", "fp8_e4m3") for B, L in [(8, 163
 
 
 def quantized_splits(op, B: int, L: int) -> list[int]:
+    """The auto split, half and twice it, and the decode-only merge's chunk edges (16, 24, 32 splits)."""
     auto = auto_splits(op, B, L)
-    return list(dict.fromkeys([auto, max(1, auto // 2), auto * 2]))
+    near = [max(1, auto // 2), auto * 2, 16, 24, 32]
+    return list(dict.fromkeys([auto, *(s for s in near if s <= attention.MAX_SPLITS and L // s >= MIN_POSITIONS)]))
 
 
 def build_all(shapes, quantized: bool) -> float:
@@ -105,7 +110,8 @@ def build_all(shapes, quantized: bool) -> float:
         quant = [(ab.op_of().replace(kv_dtype=kv), B, L) for kv, B, L in QUANTIZED_ROWS]
         cases += [(op, quantized_splits(op, B, L)) for op, B, L in quant]
     ops = []
-    for op, splits in cases:
+    for op, splits in cases:  # the launched kind: decode-only, unless the design says mixed
+        op = op.replace(decode_only=attention.decode_launch(1, 1))
         ops += [op]
         for s in splits:
             if s > 1:
@@ -225,16 +231,23 @@ def summary(rows) -> list[str]:
     return out
 
 
-def candidate_ops(shapes, quant_shapes=()) -> dict:
+def candidate_design(name: str) -> dict:
+    """The knobs a candidate's paged_attention() calls read (decode, prefill): its design's, not this process'."""
+    return attention.design_of(CANDIDATES[name].partition("|")[0])
+
+
+def candidate_ops(shapes, quant_shapes=(), design: dict | None = None) -> dict:
     """{(kv_dtype, B, L): (op, splits)}: the op paged_attention() launches for each shape at its auto split
-    (fused merge; on Hopper with item_queue, as production. Before session 8 the candidates ran the op
-    without it: another kernel, whose decode path ptxas allocates differently)."""
+    under design (default production): fused merge, decode-only or (decode=mixed) the mixed kernel with
+    item_queue on Hopper. Before session 8 the candidates ran the op without item_queue: another kernel,
+    whose decode path ptxas allocates differently."""
     out = {}
-    production = attention.design_of("")
+    design = design or attention.design_of("")
     for kv, B, L in [(ab.op_of().kv_dtype, B, L) for B, L in shapes] + list(quant_shapes):
         op = ab.op_of().replace(kv_dtype=kv)
-        s = auto_splits(op, B, L)
-        out[(kv, B, L)] = (attention.launched_op(op, s, arch=attention._arch(0), design=production), s)
+        s = auto_splits(op, B, L, design)
+        out[(kv, B, L)] = (attention.launched_op(op, s, arch=attention._arch(0), design=design,
+                                                 decode_only=attention.decode_launch(B, B, design)), s)
     return out
 
 
@@ -253,20 +266,23 @@ def quantize_batch(b, kv_dtype: str) -> None:
     b.kv_bytes_quant = 2 * b.B * b.L * ab.HKV * (ab.D + 4)
 
 
-def candidate_call(kern, op, splits: int, b) -> None:
+def candidate_call(kern, op, splits: int, b, design: dict | None = None) -> None:
     """One launch of a candidate's kernel through paged_attention() (its workspaces and item queue)."""
     def kernel_of(run):
         assert run == op, f"paged_attention() launches {run}, the candidate was built for {op}"
         return kern
 
     attention.paged_attention(ab.op_of().replace(kv_dtype=op.kv_dtype), **b.args(), **getattr(b, "scales", {}),
-                              out=b.out, num_splits=splits, kernel_of=kernel_of)
+                              out=b.out, num_splits=splits, kernel_of=kernel_of, design=design)
 
 
 def candidates_main(names: list[str], json_path: str | None, build_only: bool = False) -> int:
-    ops = candidate_ops(CANDIDATE_SHAPES, CANDIDATE_QUANT_SHAPES)
+    designs = {n: candidate_design(n) for n in names}
+    per = {n: candidate_ops(CANDIDATE_SHAPES, CANDIDATE_QUANT_SHAPES, designs[n]) for n in names}
+    ops = per[names[0]]  # the shapes (every candidate has the same keys)
     t0 = time.perf_counter()
-    libs = attention.load_designs({n: CANDIDATES[n] for n in names}, [op for op, _ in ops.values()])
+    every = list(dict.fromkeys(op for n in names for op, _ in per[n].values()))
+    libs = attention.load_designs({n: CANDIDATES[n] for n in names}, every)
     print(f"# built {len(names)} candidates in {time.perf_counter() - t0:.1f} s", flush=True)
     if build_only:  # fills the kernel cache (a device script runs this beside the GPU tests)
         bad = [f"{n}: {v}" for n, v in libs.items() if isinstance(v, Exception)]
@@ -275,9 +291,9 @@ def candidates_main(names: list[str], json_path: str | None, build_only: bool = 
     failed = {n: build_failure(v) for n, v in libs.items() if isinstance(v, Exception)}
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for (kv, B, L), (op, splits) in ops.items():
+    for (kv, B, L) in ops:
         batches = ab.decode_batches(B, L, gen)
-        quant = op.quantized
+        quant = kv != ab.op_of().kv_dtype
         for b in batches if quant else ():
             quantize_batch(b, kv)
         b0 = batches[0]
@@ -299,11 +315,12 @@ def candidates_main(names: list[str], json_path: str | None, build_only: bool = 
         shape = f"{B}x{L}" + (f" {kv}" if quant else "")
         fns = {}
         for n in names:
+            op, splits = per[n][(kv, B, L)]
             if n in failed:
                 rows.append(dict(shape=shape, candidate=n, splits=splits, ok=False, check=failed[n]))
                 continue
             kern = api.CudaKernel(op, library=libs[n])
-            call = lambda b, kern=kern: candidate_call(kern, op, splits, b)  # noqa: E731
+            call = lambda b, kern=kern, op=op, splits=splits, d=designs[n]: candidate_call(kern, op, splits, b, d)  # noqa: E731
             b0.out.fill_(float("nan"))
             call(b0)
             diff = (b0.out.float() - want).abs().max().item()  # NaN (an unwritten element) compares False
@@ -321,7 +338,7 @@ def candidates_main(names: list[str], json_path: str | None, build_only: bool = 
         print(f"# {shape} done at {time.perf_counter() - t0:.1f} s", flush=True)
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     by = {(r["candidate"], r["shape"]): r for r in rows}
-    splits = {r["shape"]: r["splits"] for r in rows if r["splits"]}
+    splits = {r["shape"]: r["splits"] for r in rows if r["splits"] and r["candidate"] == names[0]}
     lines = [f"{torch.cuda.get_device_name()}, {attention._arch(0)}: GB/s (median us) at the auto split; "
              "[+-us vs default]",
              "", "| candidate | " + " | ".join(f"{s} ({splits.get(s, 1)} splits)" for s in shapes) + " |",
@@ -335,7 +352,8 @@ def candidates_main(names: list[str], json_path: str | None, build_only: bool = 
                 continue
             base = by.get(("default", s))
             delta = f" [{r['us'] - base['us']:+.1f}]" if base and "us" in base and n != "default" else ""
-            cells.append(f"{r['gbps']:.0f} ({r['us']:.1f}){delta}{'' if r['ok'] else ' BAD'}")
+            own = f" {r['splits']} splits" if r["splits"] and r["splits"] != splits.get(s) else ""  # a design's own rule
+            cells.append(f"{r['gbps']:.0f} ({r['us']:.1f}){own}{delta}{'' if r['ok'] else ' BAD'}")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     print("\n" + "\n".join(lines))
     for r in rows:
@@ -352,6 +370,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--extra", action="store_true",
                     help="also sweep shapes that probe the split rule, and int8 / fp8 KV (fused vs two-launch)")
+    ap.add_argument("--quant", action="store_true", help="also the int8 / fp8 KV rows (without --extra's shapes)")
     ap.add_argument("--json", default=None, help="write rows here (default $OUT/decode_sweep.json when OUT is set)")
     ap.add_argument("--candidates", nargs="?", const=",".join(CANDIDATES), default=None,
                     help="compare the decode design candidates (comma list; default all) instead of split counts")
@@ -368,14 +387,15 @@ def main(argv=None) -> int:
     if args.candidates is not None:
         return candidates_main(names, args.json, args.build_only)
     shapes = ab.DECODE_SHAPES + (EXTRA_SHAPES if args.extra else [])
-    print(f"# built the variants in {build_all(shapes, args.extra):.1f} s", flush=True)
+    quant = args.extra or args.quant
+    print(f"# built the variants in {build_all(shapes, quant):.1f} s", flush=True)
     slots = unit_slots(ab.op_of())
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, t0 = [], time.perf_counter()
     for B, L in shapes:
         rows += sweep_row(B, L, gen)
         print(f"# {B}x{L} done at {time.perf_counter() - t0:.1f} s", flush=True)
-    if args.extra:
+    if quant:
         rows += quantized_rows(gen)
         print(f"# quantised KV done at {time.perf_counter() - t0:.1f} s", flush=True)
     gpu = torch.cuda.get_device_name()

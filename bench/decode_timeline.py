@@ -261,7 +261,7 @@ def production_op(B: int, L: int):
     from uacompile.targets.cuda import attention
 
     splits = ds.auto_splits(ab.op_of(), B, L)
-    return attention.launched_op(ab.op_of(), splits, arch=attention._arch(0)), splits
+    return attention.launched_op(ab.op_of(), splits, arch=attention._arch(0), decode_only=attention.decode_launch(B, B)), splits
 
 
 def launch(kern, op, splits: int, b) -> None:

@@ -151,8 +151,13 @@ def test_decode_candidates_time_the_ops_production_launches(monkeypatch):
     monkeypatch.setattr(attention, "_arch", lambda device: "sm_90")
     ops = sweep.candidate_ops(sweep.CANDIDATE_SHAPES, sweep.CANDIDATE_QUANT_SHAPES)
     production = attention.design_of("")
-    for (kv, B, L), (op, splits) in ops.items():
-        base = op.replace(num_splits=1, fused_merge=False, item_queue=False)
-        assert op == attention.launched_op(base, splits, arch="sm_90", design=production), (kv, B, L)
-        assert op.item_queue == (kv == "bf16"), (kv, B, L)  # the Hopper wgmma path; 8-bit KV runs mma.sync
+    for (kv, B, L), (op, splits) in ops.items():  # decode steps: the decode-only op
+        base = op.replace(num_splits=1, fused_merge=False, decode_only=False)
+        assert op == attention.launched_op(base, splits, arch="sm_90", design=production, decode_only=True), (kv, B, L)
+        assert op.decode_only and not op.item_queue, (kv, B, L)
+        assert splits == attention.choose_splits(op, B, B, L), (kv, B, L)
     assert {s for _, s in ops.values()} >= {1, 4, 32}  # one-split and split rows both
+    # the "mixed" candidate: the one kernel, on Hopper with the item queue (the wgmma path; 8-bit KV runs mma.sync)
+    mixed = sweep.candidate_ops(sweep.CANDIDATE_SHAPES, sweep.CANDIDATE_QUANT_SHAPES, sweep.candidate_design("mixed"))
+    for (kv, B, L), (op, splits) in mixed.items():
+        assert not op.decode_only and op.item_queue == (kv == "bf16"), (kv, B, L)

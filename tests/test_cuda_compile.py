@@ -42,6 +42,12 @@ ATTENTION_VARIANTS = [
     PA(16, 4, 64, 8, "fp16", "fp16", window=32, return_lse=True),  # sm_90: the wgmma path with head_dim 64
     # sm_90: the dynamic prefill schedule with the fused merge and G 1 (its largest token windows); sm_80 ignores the queue
     PA(8, 8, 128, 16, "bf16", "bf16", num_splits=3, fused_merge=True, return_lse=True, item_queue=True),
+    # decode-only kernels: the one-trip merge at 32 splits, quantised KV on the raw stage (3 blocks an SM), the
+    # dequantising pass (D 80), D 256
+    PA(32, 8, 128, 16, "bf16", "bf16", num_splits=32, fused_merge=True, decode_only=True),
+    PA(32, 8, 128, 16, "bf16", "int8", num_splits=4, fused_merge=True, decode_only=True),
+    PA(16, 2, 80, 16, "fp16", "int8", window=64, decode_only=True),
+    PA(8, 4, 256, 16, "bf16", "fp8_e4m3", return_lse=True, decode_only=True),
 ]
 HAVE_ATTENTION = importlib.util.find_spec("uacompile.targets.cuda.attention") is not None
 
@@ -472,3 +478,51 @@ def test_build_keeps_each_kernel_in_its_first_unserialised_code_shape(tmp_path, 
     assert {"shapes": rec["code_shapes"], "serialised": []} in attempts
     assert sorted(p.name for p in res.path.parent.iterdir() if not p.name.startswith(".")) == [
         "build.json", "kernels.cu", "lib.so"]
+
+
+DECODE_BENCH_OPS = [  # the decode-only ops the benchmarks' decode rows launch (bf16 1 / 4 / 32 splits; int8, fp8)
+    PA(32, 8, 128, 16, "bf16", "bf16", decode_only=True),
+    PA(32, 8, 128, 16, "bf16", "bf16", num_splits=4, fused_merge=True, decode_only=True),
+    PA(32, 8, 128, 16, "bf16", "bf16", num_splits=32, fused_merge=True, decode_only=True),
+    PA(32, 8, 128, 16, "bf16", "int8", num_splits=4, fused_merge=True, decode_only=True),
+    PA(32, 8, 128, 16, "bf16", "fp8_e4m3", num_splits=4, fused_merge=True, decode_only=True),
+]
+
+
+def test_decode_only_kernels_fit_their_register_budget_without_spills(tmp_path, monkeypatch):
+    """A decode-only kernel's layout asks ptxas for 2 (16-bit KV) or 3 (quantised) blocks an SM; a spill to
+    local memory would cost more than the extra block gains. ptxas' -warn-spills lines land in build.json."""
+    from uacompile.targets.cuda import attention
+    from uacompile.targets.cuda.build import build
+
+    monkeypatch.setenv("UACOMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-Xptxas -warn-spills")
+    assert [attention.layout(op).blocks_per_sm for op in DECODE_BENCH_OPS] == [2, 2, 2, 3, 3]
+    res = build(DECODE_BENCH_OPS, "sm_90")
+    warnings = json.loads((res.path.parent / "build.json").read_text())["warnings"]
+    assert not [w for w in warnings if "spill" in w.lower()], warnings
+
+
+def test_decode_steps_launch_the_decode_only_op():
+    """paged_attention()'s choice by shapes: at most one token a sequence takes decode_only (no item queue, no
+    wgmma), more tokens the mixed kernel; design decode=mixed keeps the mixed kernel for every launch."""
+    from uacompile.targets.cuda import attention
+
+    op = PA(32, 8, 128, 16, "bf16", "bf16")
+    production, mixed = attention.design_of(""), attention.design_of("decode=mixed")
+    assert attention.decode_launch(8, 8, production) and attention.decode_launch(3, 8, production)
+    assert not attention.decode_launch(9, 8, production) and not attention.decode_launch(8, 8, mixed)
+    run = attention.launched_op(op, 4, design=production, decode_only=True)
+    assert run.decode_only and run.fused_merge and not run.item_queue and not attention.uses_wgmma(run)
+    assert attention.launched_op(op, 4, design=production).item_queue  # the mixed kernel's dynamic prefill
+    with pytest.raises(ir.IRError, match="decode_only"):
+        op.replace(decode_only=True, item_queue=True)
+    # the decode-only layout: 16-bit KV keeps 2 blocks of one group an SM (the mixed kernel: 1 block of 2
+    # groups); quantised KV drops the converted tiles for a third block
+    only, quant = op.replace(decode_only=True), PA(32, 8, 128, 16, "bf16", "int8", decode_only=True)
+    assert (attention.layout(only).blocks_per_sm, attention.layout(only).decode_groups) == (2, 1)
+    assert attention.layout(quant).blocks_per_sm == 3
+    assert attention.layout(PA(32, 8, 128, 16, "bf16", "int8")).blocks_per_sm == 2
+    # the split rule fills the layout's slots: 8 x 8 items take 6 splits of 396 slots (4 of the mixed kernel's 264)
+    assert attention.choose_splits(quant, 8, 8, 16384) == 6
+    assert attention.choose_splits(quant.replace(decode_only=False), 8, 8, 16384) == 4

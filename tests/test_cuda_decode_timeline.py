@@ -25,11 +25,12 @@ G4 = PA(32, 8, 128, 16, "bf16", "bf16", return_lse=True)
 D256 = PA(8, 2, 256, 16, "bf16", "bf16", return_lse=True)  # the mma.sync path on Hopper too
 DECODE_LENS = [5000, 1, 700, 64, 2900, 33]  # with 32 splits the short ones leave most splits empty
 PRODUCTION = attention.design_of("")
-# (op as paged_attention() launches it, splits): the Hopper decode groups with and without the fused
-# merge, and the mma.sync path's (one group a block)
+# (op as paged_attention() launches it, splits): the mixed kernel's Hopper decode groups with and without the
+# fused merge, the mma.sync path's (one group a block), and the decode-only kernel a decode step launches
 CASES = {"wgmma-s32": (attention.launched_op(G4, 32, design=PRODUCTION), 32),
          "wgmma-s1": (attention.launched_op(G4, 1, design=PRODUCTION), 1),
-         "mma-sync-s3": (attention.launched_op(D256, 3, design=PRODUCTION), 3)}
+         "mma-sync-s3": (attention.launched_op(D256, 3, design=PRODUCTION), 3),
+         "decode-only-s32": (attention.launched_op(G4, 32, design=PRODUCTION, decode_only=True), 32)}
 
 
 @pytest.fixture(scope="module")

@@ -145,6 +145,10 @@ class PagedAttention(OpSpec):
     entry and on exit; one per stream): the CUDA Hopper path's persistent prefill blocks
     take their work items from it in heaviest-first order (a dynamic schedule); other
     targets and paths ignore it, and the TVM and AscendC lowerings reject it.
+    decode_only attends every token as its own decode item (no tile of a sequence's tokens
+    sharing K/V loads): the same result for any ubatch, a schedule for decode steps (each
+    sequence one token), whose CUDA kernel then has no prefill path, its registers, shared
+    memory and scan. The TVM and AscendC lowerings, which have one schedule, ignore it.
     variant "unified_masked" has the same result but scans every sequence's pages and
     masks foreign cells out (llama.cpp's unified KV buffer), as a measured baseline.
     """
@@ -165,6 +169,7 @@ class PagedAttention(OpSpec):
     variant: str = "ua"  # ua | unified_masked
     fused_merge: bool = False
     item_queue: bool = False
+    decode_only: bool = False
 
     def __post_init__(self):
         _check_positive(self, "num_q_heads", "num_kv_heads", "head_dim", "page_size", "num_splits")
@@ -190,6 +195,10 @@ class PagedAttention(OpSpec):
             raise IRError(f"{self.kind}.fused_merge", "needs num_splits > 1 (one split writes out directly)")
         if not isinstance(self.item_queue, bool):
             raise IRError(f"{self.kind}.item_queue", f"must be a bool, got {self.item_queue!r}")
+        if not isinstance(self.decode_only, bool):
+            raise IRError(f"{self.kind}.decode_only", f"must be a bool, got {self.decode_only!r}")
+        if self.decode_only and self.item_queue:
+            raise IRError(f"{self.kind}.decode_only", "has no prefill blocks to take items: build with item_queue=False")
 
     @property
     def group_size(self) -> int:

@@ -89,9 +89,9 @@ HOPPER_ARCHS = ("sm_90", "sm_90a")
 def uses_wgmma(op: ir.PagedAttention, arch: str = "sm_90") -> bool:
     """Whether prefill tiles run the Hopper path: 16-bit KV of q's dtype (TMA copies it as is),
     head_dim 64 or 128 (whole 128-byte swizzle rows), pages of >= 8 positions (a TMA box per page
-    must fill whole 1024-byte swizzle atoms)."""
+    must fill whole 1024-byte swizzle atoms), and not decode_only (no prefill tiles)."""
     return (arch in HOPPER_ARCHS and op.variant == "ua" and op.kv_dtype == op.q_dtype
-            and op.head_dim in (64, 128) and op.page_size >= 8)
+            and op.head_dim in (64, 128) and op.page_size >= 8 and not op.decode_only)
 
 
 def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
@@ -107,6 +107,8 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
     mt_prefill = 2 if D <= 128 else 1  # 32 rows a warp halve smem reads per mma; D=256 lacks the registers
     q_bytes = WARPS * 16 * mt_prefill * (D + 8) * 2  # resident Q rows (decode: its third K/V stage)
     combine = WARPS * 16 * (D + 4) * 4 + 2 * WARPS * 16 * 4
+    if op.decode_only:
+        return _decode_only_layout(op, bn_prefill, kv_rows, tile, raw_stage, combine)
     smem = max(tiles + stages * raw_stage + q_bytes, combine)
     if not wgmma:
         return Layout(bn_prefill, mt_prefill, kv_rows, stages, smem, min_blocks=2 if D <= 128 else 1)
@@ -119,6 +121,28 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
     groups = warps // WARPS
     return Layout(bn_prefill, mt_prefill, kv_rows, stages, max(groups * smem, smem_prefill), min_blocks=1, warps=warps,
                   wgmma=True, bn_wg=bn_wg, stages_wg=stages_wg, smem_prefill=smem_prefill)
+
+
+# decode_only blocks: one 4-warp decode group each. 16-bit KV keeps the mixed kernel's smem (2 stages + the Q
+# region as a third, 2 blocks an SM); quantised KV, whose decode reads the raw stage (the template's QFAST: D 64
+# or a multiple of 128), drops the converted tiles and half the Q rows for a third raw stage and a third block
+# an SM (the mixed kernel's prefill path holds it at 255 registers, 2 blocks).
+DECODE_ONLY_QUANT = dict(stages=3, min_blocks=3)
+
+
+def _decode_only_layout(op: ir.PagedAttention, bn_prefill: int, kv_rows: int, tile: int, raw_stage: int,
+                        combine: int) -> Layout:
+    D = op.head_dim
+    if not op.quantized:
+        stages, mt, min_blocks, tiles = 2, 2, 2, 4 * tile
+    else:
+        stages, min_blocks, mt = DECODE_ONLY_QUANT["stages"], DECODE_ONLY_QUANT["min_blocks"], 1
+        tiles = 0 if D == 64 or D % 128 == 0 else 2 * tile  # QFAST decodes the raw stage; else dequant_tile's pair
+        if D > 128:
+            min_blocks = 2
+    q_bytes = WARPS * 16 * mt * (D + 8) * 2
+    smem = max(tiles + stages * raw_stage + q_bytes, combine)
+    return Layout(bn_prefill, mt, kv_rows, stages, smem, min_blocks=min_blocks)
 
 
 def dynamic_prefill(op: ir.PagedAttention, arch: str = "sm_90") -> bool:
@@ -156,6 +180,9 @@ DESIGN_KNOBS = {
     # whose persistent prefill blocks take items from an atomic counter (bench/NOTES-attention.md v17:
     # 8x4096 0.80 -> 0.86x SDPA, 2x16384 0.93 -> 0.97x, interleaved timing, H200)
     "prefill": ("dynamic", "static"),
+    # read by paged_attention(), not the render: "only" launches decode_only ops for launches of at most one
+    # token a sequence (num_tokens <= num_seqs: a decode step), "mixed" the one kernel for every launch
+    "decode": ("only", "mixed"),
 }
 
 
@@ -227,7 +254,7 @@ def template_context(op: ir.PagedAttention, arch: str = "sm_90", shape: int = 0)
         window=op.window, softcap=op.softcap, softcap_c=_c_float(op.softcap or 1.0), alibi=op.alibi,
         scale_c=_c_float(op.sm_scale), bn_prefill=lay.bn_prefill, mt_prefill=lay.mt_prefill, kv_rows=lay.kv_rows, stages=lay.stages,
         smem_bytes=lay.smem_bytes, min_blocks=lay.min_blocks, prefill_rows=lay.prefill_rows, groups=lay.decode_groups,
-        wgmma=lay.wgmma, design=design, dynamic=dynamic_prefill(op, arch),
+        wgmma=lay.wgmma, decode_only=op.decode_only, design=design, dynamic=dynamic_prefill(op, arch),
         bn_wg=lay.bn_wg, stages_wg=lay.stages_wg, smem_prefill=lay.smem_prefill, code_shape=shape)
 
 
@@ -317,11 +344,19 @@ def _item_queue(device, stream_id: int):
     return queue
 
 
+def decode_launch(num_tokens: int, num_seqs: int, design: dict | None = None) -> bool:
+    """Whether paged_attention() launches the decode_only op: at most one token a sequence by the shapes
+    (a decode step; any ubatch would still be exact), unless the design's decode knob says mixed."""
+    return (design or design_of())["decode"] == "only" and num_tokens <= num_seqs
+
+
 def launched_op(op: ir.PagedAttention, num_splits: int, fused_merge: bool = True, arch: str = "sm_90",
-                design: dict | None = None) -> ir.PagedAttention:
+                design: dict | None = None, decode_only: bool = False) -> ir.PagedAttention:
     """The op paged_attention() launches for `op` at num_splits (merge_state aside): the split
-    fields, and item_queue on the Hopper path when the design's prefill knob says dynamic."""
+    fields, decode_only as given (decode_launch), and item_queue on the Hopper path when the
+    design's prefill knob says dynamic."""
     design = design or design_of()
+    op = op.replace(decode_only=decode_only, item_queue=False)
     if num_splits == 1:
         run = op.replace(num_splits=1, fused_merge=False)
     elif fused_merge:
@@ -348,15 +383,16 @@ def _arch(device) -> str:
 
 def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_table, token_kv_len, *,
                     k_scale=None, v_scale=None, alibi_slopes=None, out=None, lse=None, num_splits: int | None = None,
-                    fused_merge: bool = True, kernel_of=None):
+                    fused_merge: bool = True, kernel_of=None, design: dict | None = None):
     """Attention of a ubatch over the paged cache on torch's current stream; returns out
     (and lse when op.return_lse). num_splits=None picks split-KV from the shapes; the
-    split count and item_queue of `op` itself are ignored (launched_op says what runs: with
-    UACOMPILE_PA_VARIANT prefill=dynamic, the Hopper path takes the stream's item queue). Tokens may come in any order (a sequence's
+    split count, item_queue and decode_only of `op` itself are ignored (launched_op says what runs: with
+    UACOMPILE_PA_VARIANT prefill=dynamic, the Hopper path takes the stream's item queue; a launch of at most
+    one token a sequence runs the decode_only kernel unless decode=mixed). Tokens may come in any order (a sequence's
     tokens side by side share K/V loads as a prefill tile; a lone token is a decode item).
     With splits, fused_merge=False runs the partials and merge_state as two launches. kernel_of(op) gives
     the CudaKernel to launch (default api.kernel: this process's build; bench/decode_sweep.py passes another
-    build's library)."""
+    build's library); design: the knobs the call reads (decode, prefill; default design_of())."""
     import torch
 
     from .api import kernel as default_kernel
@@ -371,8 +407,11 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
     if page_table.dim() != 2:
         raise ValueError(f"page_table must be [num_seqs, max_pages], got shape {tuple(page_table.shape)}")
     T, S = q.shape[0], page_table.shape[0]
+    design = design or design_of()
+    decode_only = decode_launch(T, S, design)
     if num_splits is None:
-        num_splits = choose_splits(op, T, S, page_table.shape[1] * op.page_size, _num_sms(q.device), _arch(q.device))
+        num_splits = choose_splits(op.replace(decode_only=decode_only, item_queue=False), T, S,
+                                   page_table.shape[1] * op.page_size, _num_sms(q.device), _arch(q.device))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq, page_table=page_table,
@@ -387,7 +426,7 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
         lse = torch.empty((T, op.num_q_heads), dtype=torch.float32, device=q.device)
     extra = dict(out=out, lse=lse) if op.return_lse else dict(out=out)
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    run = launched_op(op, num_splits, fused_merge, _arch(q.device))
+    run = launched_op(op, num_splits, fused_merge, _arch(q.device), design, decode_only)
     if run.item_queue:
         tensors["item_queue"] = _item_queue(q.device, stream)
     if num_splits > 1:  # this stream's partials workspace
