@@ -127,7 +127,11 @@ class CUDABackend(KernelBackend):
         except ImportError as e:
             raise NotImplementedError(f"cuda backend: uacompile.targets.cuda is not available ({e})") from None
         attention.check(ops.attention)  # IRError naming the field the CUDA template does not cover
-        api.preload([ops.attention, ops.cache_write, ops.copy, ops.swap])  # one nvcc run per kind, cached
+        # the attention kernels of a one-split prefill step and decode step, as paged_attention() launches them
+        # (split counts other than 1 build at their first step)
+        arch = attention._arch(torch.cuda.current_device())
+        steps = [attention.launched_op(ops.attention, 1, arch=arch, decode_only=only) for only in (False, True)]
+        api.preload([*steps, ops.cache_write, ops.copy, ops.swap])  # one nvcc run per kind, cached
         self.api, self.attention = api, attention
 
     def run(self, op, **tensors):
