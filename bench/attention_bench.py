@@ -128,7 +128,7 @@ def decode_rows(gen, splits_sweep=(), unified=False, peers=None) -> list[dict]:
         shape = f"{B}x{L}"
         k, v = b0.contiguous_kv()
         want = sdpa(b0.q_bhld(), k, v, False).transpose(1, 2).reshape(b0.q.shape)
-        auto = attention.choose_splits(op.replace(decode_only=attention.decode_launch(B, B)), B, B, L)
+        auto = attention.launch_splits(op, B, B, L)
         kc = [b.contiguous_kv() for b in batches]
         # ours at each split count and SDPA in one interleaved timing: the ratio is drift-free
         fns = {s: [lambda b=b, s=s: attention.paged_attention(op, **b.args(), out=b.out, num_splits=s) for b in batches]
@@ -310,7 +310,7 @@ def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None
     ops = [attention.launched_op(op_of(), 1, decode_only=only), op_of(variant="unified_masked")]
     sweep = () if quick else (1, 2, 4, 8, 16, 32, 48)
     for B, L in DECODE_SHAPES:
-        for s in {attention.choose_splits(op_of(decode_only=only), B, B, L), *sweep}:
+        for s in {attention.launch_splits(op_of(), B, B, L), *sweep}:
             if s > 1:
                 ops.append(attention.launched_op(op_of(), s, decode_only=only))  # what paged_attention() launches
     with ThreadPoolExecutor(os.cpu_count() or 4) as pool:

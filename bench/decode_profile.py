@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         got = b.out if got is None else got
         torch.cuda.synchronize()
         diff = (got.float().view_as(want) - want).abs().max().item()
-        print(f"{a.shape} {name}: max abs diff vs SDPA {diff:.3g}, splits {attention.choose_splits(op, B, B, L)}"
+        print(f"{a.shape} {name}: max abs diff vs SDPA {diff:.3g}, splits {attention.launch_splits(op, B, B, L)}"
               if name == "ua" else f"{a.shape} {name}: max abs diff vs SDPA {diff:.3g}", flush=True)
         if not diff <= 0.02:
             print(f"{name} is wrong: its profile would mean nothing", file=sys.stderr)

@@ -73,8 +73,7 @@ CANDIDATE_QUANT_SHAPES = [(kv, B, L) for kv in ("int8", "fp8_e4m3") for B, L in 
 def auto_splits(op, B: int, L: int, design: dict | None = None) -> int:
     """What paged_attention() picks on this device for B decode tokens at context L (on the decode-only
     kernel's layout unless the design's decode knob says mixed)."""
-    op = op.replace(decode_only=attention.decode_launch(B, B, design), item_queue=False)
-    return attention.choose_splits(op, B, B, L, attention._num_sms(0), attention._arch(0))
+    return attention.launch_splits(op, B, B, L, attention._num_sms(0), attention._arch(0), design)
 
 
 def unit_slots(op) -> int:

@@ -38,7 +38,7 @@ def prebuild(op, designs: list[str], decode: bool) -> None:
     for d in designs:  # the render reads the other knobs once a process: bench/decode_sweep.py --candidates compares them
         if any(k != "prefill" for k, v in attention.design_of(d).items() if v != attention.DESIGN_KNOBS[k][0]):
             raise SystemExit(f"--designs: only the prefill knob changes within one process, got {d!r}")
-    splits = {1} | ({attention.choose_splits(op, B, B, L) for B, L in DECODE_SHAPES} if decode else set())
+    splits = {1} | ({attention.launch_splits(op, B, B, L) for B, L in DECODE_SHAPES} if decode else set())
     ops = {attention.launched_op(op, s, design=attention.design_of(d)) for d in designs for s in splits}
     with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
         list(pool.map(api.kernel, ops))
@@ -112,7 +112,7 @@ def main():
                 d_ = PagedBatch(B, L, 1, gen)
                 call = lambda: attention.paged_attention(op, **d_.args(), out=d_.out)  # noqa: E731
                 t = time_graphs({d: under(d, call) for d in designs}, calls=10, rounds=ROUNDS)
-                splits = attention.choose_splits(op, B, B, L)
+                splits = attention.launch_splits(op, B, B, L)
                 for d in designs:
                     rows.append(dict(shape=f"decode {B}x{L}", impl=f"{impls[d]} splits={splits}", ms=t[d].ms,
                                      gbps=d_.kv_bytes / t[d].ms / 1e6))

@@ -105,13 +105,22 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
     tiles = (2 if op.quantized else 2 * stages) * tile
     raw_stage = 2 * kv_rows * (D + 4) if op.quantized else 0
     mt_prefill = 2 if D <= 128 else 1  # 32 rows a warp halve smem reads per mma; D=256 lacks the registers
+    min_blocks = 2 if D <= 128 else 1
+    if op.decode_only:
+        # one 4-warp decode group a block. 16-bit KV: the mixed kernel's smem (2 stages + the Q region as a
+        # third), 2 blocks an SM. Quantised KV, whose decode reads the raw stage (the template's QFAST: D 64 or
+        # a multiple of 128), drops the converted tiles and half the Q rows for a third raw stage and a third
+        # block an SM (the mixed kernel's prefill path holds it at 255 registers, 2 blocks).
+        if op.quantized:
+            stages, mt_prefill, min_blocks = 3, 1, 3 if D <= 128 else 2
+            tiles = 0 if D == 64 or D % 128 == 0 else 2 * tile  # else dequant_tile's converted pair
+        else:
+            mt_prefill, min_blocks = 2, 2
     q_bytes = WARPS * 16 * mt_prefill * (D + 8) * 2  # resident Q rows (decode: its third K/V stage)
     combine = WARPS * 16 * (D + 4) * 4 + 2 * WARPS * 16 * 4
-    if op.decode_only:
-        return _decode_only_layout(op, bn_prefill, kv_rows, tile, raw_stage, combine)
     smem = max(tiles + stages * raw_stage + q_bytes, combine)
     if not wgmma:
-        return Layout(bn_prefill, mt_prefill, kv_rows, stages, smem, min_blocks=2 if D <= 128 else 1)
+        return Layout(bn_prefill, mt_prefill, kv_rows, stages, smem, min_blocks=min_blocks)
     # wgmma: 2 consumer warpgroups x 64 rows share bn_wg-position K/V tiles (S: bn_wg / 2 registers a
     # thread, O: D / 2) that a third, producer warpgroup loads; TMA stages of K + V and the consumers'
     # Q rows, + 1 KB to align them; one 12-warp block a SM, whose decode items run as two 4-warp
@@ -121,28 +130,6 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
     groups = warps // WARPS
     return Layout(bn_prefill, mt_prefill, kv_rows, stages, max(groups * smem, smem_prefill), min_blocks=1, warps=warps,
                   wgmma=True, bn_wg=bn_wg, stages_wg=stages_wg, smem_prefill=smem_prefill)
-
-
-# decode_only blocks: one 4-warp decode group each. 16-bit KV keeps the mixed kernel's smem (2 stages + the Q
-# region as a third, 2 blocks an SM); quantised KV, whose decode reads the raw stage (the template's QFAST: D 64
-# or a multiple of 128), drops the converted tiles and half the Q rows for a third raw stage and a third block
-# an SM (the mixed kernel's prefill path holds it at 255 registers, 2 blocks).
-DECODE_ONLY_QUANT = dict(stages=3, min_blocks=3)
-
-
-def _decode_only_layout(op: ir.PagedAttention, bn_prefill: int, kv_rows: int, tile: int, raw_stage: int,
-                        combine: int) -> Layout:
-    D = op.head_dim
-    if not op.quantized:
-        stages, mt, min_blocks, tiles = 2, 2, 2, 4 * tile
-    else:
-        stages, min_blocks, mt = DECODE_ONLY_QUANT["stages"], DECODE_ONLY_QUANT["min_blocks"], 1
-        tiles = 0 if D == 64 or D % 128 == 0 else 2 * tile  # QFAST decodes the raw stage; else dequant_tile's pair
-        if D > 128:
-            min_blocks = 2
-    q_bytes = WARPS * 16 * mt * (D + 8) * 2
-    smem = max(tiles + stages * raw_stage + q_bytes, combine)
-    return Layout(bn_prefill, mt, kv_rows, stages, smem, min_blocks=min_blocks)
 
 
 def dynamic_prefill(op: ir.PagedAttention, arch: str = "sm_90") -> bool:
@@ -350,6 +337,14 @@ def decode_launch(num_tokens: int, num_seqs: int, design: dict | None = None) ->
     return (design or design_of())["decode"] == "only" and num_tokens <= num_seqs
 
 
+def launch_splits(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_len: int, num_sms: int = H200_SMS,
+                  arch: str = "sm_90", design: dict | None = None) -> int:
+    """The split count paged_attention() picks: choose_splits on the layout of the kernel it launches (the
+    decode-only one for a decode step, decode_launch)."""
+    run = op.replace(decode_only=decode_launch(num_tokens, num_seqs, design), item_queue=False)
+    return choose_splits(run, num_tokens, num_seqs, max_kv_len, num_sms, arch)
+
+
 def launched_op(op: ir.PagedAttention, num_splits: int, fused_merge: bool = True, arch: str = "sm_90",
                 design: dict | None = None, decode_only: bool = False) -> ir.PagedAttention:
     """The op paged_attention() launches for `op` at num_splits (merge_state aside): the split
@@ -410,8 +405,8 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
     design = design or design_of()
     decode_only = decode_launch(T, S, design)
     if num_splits is None:
-        num_splits = choose_splits(op.replace(decode_only=decode_only, item_queue=False), T, S,
-                                   page_table.shape[1] * op.page_size, _num_sms(q.device), _arch(q.device))
+        num_splits = launch_splits(op, T, S, page_table.shape[1] * op.page_size, _num_sms(q.device), _arch(q.device),
+                                   design)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq, page_table=page_table,
