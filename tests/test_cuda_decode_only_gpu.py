@@ -16,7 +16,7 @@ from uacompile.targets.cuda import attention
 torch = pytest.importorskip("torch")
 from cuda_helpers import cuda_api_with  # noqa: E402
 from test_cuda_attention_gpu import device_inputs  # noqa: E402
-from test_cuda_decode_gpu import MIXED, check_outputs, fused, replay_on_fresh_inputs, run_fused  # noqa: E402
+from test_cuda_decode_gpu import MIXED, fused, replay_on_fresh_inputs, run_and_check  # noqa: E402
 
 gpu = pytest.mark.gpu
 PA = ir.PagedAttention
@@ -59,26 +59,19 @@ def api():
     return cuda_api_with(_ops())
 
 
-def run_and_check(api, name, op, splits, inputs):
-    outs = run_fused(api, only(op), splits, inputs)
-    check_outputs(name, op, inputs, outs["out"], outs.get("lse"))
-    if splits > 1:
-        assert not outs["split_counters"].any(), "the counters must be zero after the launch"
-
-
 @gpu
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("name", list(OPS))
 def test_decode_only_matches_reference(api, rng, name, splits):
     op = OPS[name]
-    run_and_check(api, f"{name}/s{splits}", op, splits, testing.attention_inputs(op, rng, DECODE_LENS))
+    run_and_check(api, f"{name}/s{splits}", only(op), splits, testing.attention_inputs(op, rng, DECODE_LENS))
 
 
 @gpu
 @pytest.mark.parametrize("name,splits", OPTION_CASES)
 def test_decode_only_with_options(api, rng, name, splits):
     op = OPTIONS[name]
-    run_and_check(api, f"{name}/s{splits}", op, splits, testing.attention_inputs(op, rng, [2000, 299, 300, 301, 5, 900]))
+    run_and_check(api, f"{name}/s{splits}", only(op), splits, testing.attention_inputs(op, rng, [2000, 299, 300, 301, 5, 900]))
 
 
 @gpu
@@ -87,12 +80,12 @@ def test_decode_only_with_options(api, rng, name, splits):
 def test_decode_only_is_exact_for_mixed_ubatches(api, rng, name, splits):
     """Prefill chunks, interleaved tokens: every token a decode item of its own visible range."""
     op = OPS[name]
-    run_and_check(api, f"mixed/{name}/s{splits}", op, splits, testing.attention_inputs(op, rng, **MIXED))
+    run_and_check(api, f"mixed/{name}/s{splits}", only(op), splits, testing.attention_inputs(op, rng, **MIXED))
     inputs = testing.attention_inputs(op, rng, kv_lens=[300, 40, 7], q_lens=[3, 40, 2])
     perm = rng.permutation(inputs["num_tokens"])  # tokens of a sequence apart from each other
     for key in ("q", "token_seq", "token_kv_len"):
         inputs[key] = inputs[key][perm]
-    run_and_check(api, f"interleaved/{name}/s{splits}", op, splits, inputs)
+    run_and_check(api, f"interleaved/{name}/s{splits}", only(op), splits, inputs)
 
 
 @gpu
