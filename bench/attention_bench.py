@@ -43,18 +43,21 @@ def op_of(**kw) -> ir.PagedAttention:
 
 
 class PagedBatch:
-    """One batch of sequences in a paged cache (random page order) plus what peers need."""
+    """One batch of sequences in a paged cache (random page order) plus what peers need. The head
+    geometry (Hq, Hkv, D, page size) and dtype default to ANCHORS.md's (bench/variant_sweep.py varies them)."""
 
-    def __init__(self, B: int, L: int, q_len: int, gen: torch.Generator):
-        pages_per_seq = L // P
+    def __init__(self, B: int, L: int, q_len: int, gen: torch.Generator, geometry=(HQ, HKV, D, P), dtype=DTYPE):
+        self.hq, self.hkv, self.d, self.p = geometry
+        pages_per_seq = L // self.p
         self.B, self.L, self.q_len = B, L, q_len
         num_pages = B * pages_per_seq
-        self.k_cache = torch.randn((num_pages, P, HKV, D), generator=gen, device="cuda", dtype=DTYPE)
-        self.v_cache = torch.randn((num_pages, P, HKV, D), generator=gen, device="cuda", dtype=DTYPE)
+        kv_shape = (num_pages, self.p, self.hkv, self.d)
+        self.k_cache = torch.randn(kv_shape, generator=gen, device="cuda", dtype=dtype)
+        self.v_cache = torch.randn(kv_shape, generator=gen, device="cuda", dtype=dtype)
         perm = torch.randperm(num_pages, generator=gen, device="cuda").to(torch.int32)
         self.page_table = perm.view(B, pages_per_seq).contiguous()
         T = B * q_len
-        self.q = torch.randn((T, HQ, D), generator=gen, device="cuda", dtype=DTYPE)
+        self.q = torch.randn((T, self.hq, self.d), generator=gen, device="cuda", dtype=dtype)
         self.token_seq = torch.arange(B, device="cuda", dtype=torch.int32).repeat_interleave(q_len)
         pos = torch.arange(L - q_len + 1, L + 1, device="cuda", dtype=torch.int32)
         self.token_kv_len = pos.repeat(B).contiguous()
@@ -62,7 +65,7 @@ class PagedBatch:
 
     @property
     def kv_bytes(self) -> int:
-        return 2 * self.B * self.L * HKV * D * 2
+        return 2 * self.B * self.L * self.hkv * self.d * self.k_cache.element_size()
 
     def args(self):
         return dict(q=self.q, k_cache=self.k_cache, v_cache=self.v_cache, token_seq=self.token_seq,
@@ -71,12 +74,12 @@ class PagedBatch:
     def contiguous_kv(self):
         """[B, Hkv, L, D] K and V gathered from the pages (the peers' contiguous layout)."""
         idx = self.page_table.long()
-        k = self.k_cache[idx].view(self.B, self.L, HKV, D).transpose(1, 2).contiguous()
-        v = self.v_cache[idx].view(self.B, self.L, HKV, D).transpose(1, 2).contiguous()
+        k = self.k_cache[idx].view(self.B, self.L, self.hkv, self.d).transpose(1, 2).contiguous()
+        v = self.v_cache[idx].view(self.B, self.L, self.hkv, self.d).transpose(1, 2).contiguous()
         return k, v
 
     def q_bhld(self):
-        return self.q.view(self.B, self.q_len, HQ, D).transpose(1, 2)
+        return self.q.view(self.B, self.q_len, self.hq, self.d).transpose(1, 2)
 
 
 def decode_batches(B: int, L: int, gen: torch.Generator) -> list[PagedBatch]:

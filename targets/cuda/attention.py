@@ -5,7 +5,7 @@
 
 One template (templates/cuda/paged_attention.cu.j2) serves decode tokens, prefill chunks
 and mixed ubatches in one launch; `template_context(op, arch)` is its context builder (render.py
-calls it). On Hopper (sm_90) prefill tiles of 16-bit KV with head_dim 64 or 128 and pages of
+calls it). On Hopper (sm_90) prefill tiles of 16-bit KV with head_dim 64, 128 or 256 and pages of
 8+ positions run on wgmma with TMA loads (templates/cuda/attention_wgmma.cuh.j2, built for
 sm_90a); everything else runs the mma.sync path, which every arch from sm_80 has. With num_splits > 1 the kernel writes split-KV
 partials, and with fused_merge (what `paged_attention()` builds) the last split of each (token,
@@ -26,7 +26,7 @@ WARPS = 4  # warps of a decode group, and of a block on the mma.sync path
 WG_WARPS = 8  # consumer warps of a block on the wgmma path (+ a producer warpgroup): two warpgroups share each K/V tile; two decode groups
 # wgmma tiles by head_dim: (K/V positions per tile, TMA stages); the stages fill the shared
 # memory that the 8-warp decode blocks of the same kernel take anyway
-WG_TILE = {128: (128, 3), 64: (128, 6)}
+WG_TILE = {128: (128, 3), 64: (128, 6), 256: (64, 2)}
 DECODE_TILE = 16  # K/V positions per warp tile in decode blocks
 MIN_SPLIT_LEN = 256  # a split shorter than this spends more on its merge than it gains
 MAX_SPLITS = 64
@@ -88,10 +88,10 @@ HOPPER_ARCHS = ("sm_90", "sm_90a")
 
 def uses_wgmma(op: ir.PagedAttention, arch: str = "sm_90") -> bool:
     """Whether prefill tiles run the Hopper path: 16-bit KV of q's dtype (TMA copies it as is),
-    head_dim 64 or 128 (whole 128-byte swizzle rows), pages of >= 8 positions (a TMA box per page
+    head_dim 64, 128 or 256 (whole 128-byte swizzle rows; WG_TILE), pages of >= 8 positions (a TMA box per page
     must fill whole 1024-byte swizzle atoms), and not decode_only (no prefill tiles)."""
     return (arch in HOPPER_ARCHS and op.variant == "ua" and op.kv_dtype == op.q_dtype
-            and op.head_dim in (64, 128) and op.page_size >= 8 and not op.decode_only)
+            and op.head_dim in WG_TILE and op.page_size >= 8 and not op.decode_only)
 
 
 def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
@@ -100,7 +100,9 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
     warps = WG_WARPS if wgmma else WARPS
     bn_prefill = 32  # two prefill tiles share a 64-row stage: a 4-deep pipeline in 2 stages' smem
     kv_rows = max(WARPS * DECODE_TILE, bn_prefill)
-    stages = 2
+    # D 256 on the wgmma path: its two decode groups fit one SM's smem with one cp.async stage each (plus
+    # the Q region, a second stage for decode warps: DEC_QSTAGE)
+    stages = 1 if wgmma and D > 128 else 2
     tile = kv_rows * (D + 8) * 2
     tiles = (2 if op.quantized else 2 * stages) * tile
     raw_stage = 2 * kv_rows * (D + 4) if op.quantized else 0

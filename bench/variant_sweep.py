@@ -1,0 +1,226 @@
+"""Attention across the variant axes on the device: ours against torch SDPA on contiguous KV.
+
+    python3 bench/variant_sweep.py [--only NAME,...] [--json PATH]   # JSON also to $OUT/variant_sweep.json
+    python3 bench/variant_sweep.py --rerender JSON [--out DIR]        # table and chart of a run (no GPU)
+
+bench/kernels.py checks the targets on one geometry (ANCHORS.md's: bf16, Hq 32, Hkv 8, D 128, page
+16). A user's model has its own: MHA, GQA 7 (Qwen2.5-7B), GQA 8 and 16, head dims 64 / 80 / 96 / 256,
+pages of 1 to 256, fp16. For each geometry (VARIANTS) this times, interleaved with torch SDPA on
+contiguous copies of the same K/V (timing.time_graphs):
+- decode: DECODE_B sequences whose K + V take about DECODE_BYTES, one query token each, at the split
+  count paged_attention() picks; effective GB/s = K + V bytes / time;
+- causal prefill: PREFILL_B x PREFILL_L, TFLOP/s = 4 * B * L^2 / 2 * Hq * D / time.
+Every launch is first checked against SDPA on poisoned outputs (max abs diff; exit status 1 when one
+exceeds TOLERANCE). The ratio is SDPA's time over ours (> 1: ours is faster).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import attention_bench as ab  # noqa: E402  (PagedBatch, sdpa, spin_up_clocks)
+from timing import copy_ceiling_gbps, time_graphs  # noqa: E402
+
+from uacompile import ir  # noqa: E402
+from uacompile.targets.cuda import api, attention  # noqa: E402
+
+DECODE_B, DECODE_BYTES = 16, 512 * 2**20
+PREFILL_B, PREFILL_L = 4, 4096
+TOLERANCE = 2e-2  # 16-bit output against SDPA
+ROUNDS = 11
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    model: str  # a model with this attention geometry
+    hq: int
+    hkv: int
+    d: int
+    p: int = 16
+    dtype: str = "bf16"
+
+    def op(self) -> ir.PagedAttention:
+        return ir.PagedAttention(self.hq, self.hkv, self.d, self.p, self.dtype, self.dtype)
+
+    def decode_len(self) -> int:
+        """Positions a sequence so that the decode batch's K + V take about DECODE_BYTES (whole pages, >= 1024)."""
+        per_pos = 2 * DECODE_B * self.hkv * self.d * 2
+        step = max(self.p, 256)
+        return max(1024, DECODE_BYTES // per_pos // step * step)
+
+
+VARIANTS = [
+    Variant("base", "Llama-3-8B (ANCHORS.md)", 32, 8, 128),
+    Variant("mha", "Llama-2-7B", 32, 32, 128),
+    Variant("gqa7", "Qwen2.5-7B", 28, 4, 128),
+    Variant("gqa8", "Llama-3-70B", 64, 8, 128),
+    Variant("gqa16", "GQA 16", 64, 4, 128),
+    Variant("d64", "TinyLlama-1.1B", 32, 4, 64),
+    Variant("d80", "D 80", 32, 8, 80),
+    Variant("d96", "Phi-3-mini", 32, 32, 96),
+    Variant("d256", "Gemma-2-9B", 16, 8, 256),
+    Variant("page1", "page 1", 32, 8, 128, p=1),
+    Variant("page64", "page 64", 32, 8, 128, p=64),
+    Variant("page256", "page 256", 32, 8, 128, p=256),
+    Variant("fp16", "fp16", 32, 8, 128, dtype="fp16"),
+]
+
+
+def launched_ops(v: Variant) -> tuple[ir.PagedAttention, int, ir.PagedAttention]:
+    """(the decode launch's op, its split count, the prefill launch's op), as paged_attention() picks them."""
+    op = v.op()
+    L = v.decode_len()
+    splits = attention.launch_splits(op, DECODE_B, DECODE_B, L)
+    decode = attention.launched_op(op, splits, decode_only=attention.decode_launch(DECODE_B, DECODE_B))
+    return decode, splits, attention.launched_op(op, 1)
+
+
+def build_all(variants, log=print) -> None:
+    """Every launched kernel built at once (one nvcc a kernel, in parallel), so timing never waits on a build."""
+    ops = list(dict.fromkeys(op for v in variants for op in (launched_ops(v)[0], launched_ops(v)[2])))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(min(16, os.cpu_count() or 2)) as pool:
+        list(pool.map(api.kernel, ops))
+    log(f"# built {len(ops)} kernels in {time.perf_counter() - t0:.1f} s")
+
+
+def _diff(got, want) -> float:
+    return (got.float() - want.float()).abs().max().item()
+
+
+def decode_row(v: Variant, gen) -> dict:
+    op, (_, splits, _) = v.op(), launched_ops(v)
+    L = v.decode_len()
+    b = ab.PagedBatch(DECODE_B, L, 1, gen, (v.hq, v.hkv, v.d, v.p), DTYPES[v.dtype])
+    k, kv = b.contiguous_kv()
+    want = ab.sdpa(b.q_bhld(), k, kv, False).transpose(1, 2).reshape(b.q.shape)
+    b.out.fill_(float("nan"))
+    attention.paged_attention(op, **b.args(), out=b.out)
+    diff = _diff(b.out, want)
+    t = time_graphs({"ua": lambda: attention.paged_attention(op, **b.args(), out=b.out),
+                     "sdpa": lambda: ab.sdpa(b.q_bhld(), k, kv, False)}, calls=10, rounds=ROUNDS)
+    ours, peer = t["ua"].ms, t["sdpa"].ms
+    return dict(op="decode", shape=f"{DECODE_B}x{L}", splits=splits, ms=ours, sdpa_ms=peer,
+                gbps=b.kv_bytes / ours / 1e6, sdpa_gbps=b.kv_bytes / peer / 1e6, ratio=peer / ours, diff=diff)
+
+
+def prefill_row(v: Variant, gen) -> dict:
+    op = v.op()
+    b = ab.PagedBatch(PREFILL_B, PREFILL_L, PREFILL_L, gen, (v.hq, v.hkv, v.d, v.p), DTYPES[v.dtype])
+    k, kv = b.contiguous_kv()
+    want = ab.sdpa(b.q_bhld(), k, kv, True)
+    b.out.fill_(float("nan"))
+    attention.paged_attention(op, **b.args(), out=b.out, num_splits=1)
+    diff = _diff(b.out.view(PREFILL_B, PREFILL_L, v.hq, v.d).transpose(1, 2), want)
+    t = time_graphs({"ua": lambda: attention.paged_attention(op, **b.args(), out=b.out, num_splits=1),
+                     "sdpa": lambda: ab.sdpa(b.q_bhld(), k, kv, True)}, calls=2, rounds=ROUNDS)
+    flops = 4 * PREFILL_B * PREFILL_L**2 / 2 * v.hq * v.d
+    ours, peer = t["ua"].ms, t["sdpa"].ms
+    return dict(op="prefill", shape=f"{PREFILL_B}x{PREFILL_L} causal", ms=ours, sdpa_ms=peer,
+                tflops=flops / ours / 1e9, sdpa_tflops=flops / peer / 1e9, ratio=peer / ours, diff=diff)
+
+
+def table(rows) -> str:
+    out = ["| variant | model | Hq/Hkv | D | page | dtype | op | shape | ours | SDPA | ours / SDPA | max abs diff |",
+           "|---|---|---|---:|---:|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        unit, key = ("GB/s", "gbps") if r["op"] == "decode" else ("TFLOP/s", "tflops")
+        op = r["op"] + (f" ({r['splits']} splits)" if r.get("splits", 1) > 1 else "")
+        out.append(f"| {r['variant']} | {r['model']} | {r['hq']}/{r['hkv']} | {r['d']} | {r['p']} | {r['dtype']} | "
+                   f"{op} | {r['shape']} | {r[key]:.0f} {unit} | {r['sdpa_' + key]:.0f} | {r['ratio']:.3f} | "
+                   f"{r['diff']:.3g} |")
+    return "\n".join(out)
+
+
+def chart(rows, path: Path, title: str) -> bool:
+    """Ours / SDPA per variant, decode and prefill side by side (1.0: SDPA's speed); False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(names)), 3.6))
+    for k, (op, color) in enumerate((("decode", "#d62728"), ("prefill", "#1f77b4"))):
+        by = {r["variant"]: r["ratio"] for r in rows if r["op"] == op}
+        xs = [i - 0.2 + 0.4 * k for i, n in enumerate(names) if n in by]
+        bars = ax.bar(xs, [by[n] for n in names if n in by], 0.4, label=op, color=color)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(names)), names, rotation=30, fontsize=8)
+    ax.set_ylabel("SDPA time / ours (> 1: ours faster)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
+
+
+def report(meta: dict, out_dir: Path, stem: str) -> str:
+    """Write <stem>.json, .md and .png (when matplotlib is there) under out_dir; returns the markdown."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(meta, indent=1))
+    md = f"# Paged attention across variants, {meta['gpu']}, {meta['date']}\n\n"
+    if chart(meta["rows"], out_dir / f"{stem}.png", f"Ours / torch SDPA (contiguous KV), {meta['gpu']}, {meta['date']}"):
+        md += f"![ours / SDPA per variant]({stem}.png)\n\n"
+    md += (f"Copy ceiling {meta['copy_gbps']:.0f} GB/s. Ours at the split count paged_attention() picks; SDPA on "
+           f"contiguous copies of the same K/V, timed interleaved.\n\n{table(meta['rows'])}\n")
+    (out_dir / f"{stem}.md").write_text(md)
+    return md
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help=f"comma list of {[v.name for v in VARIANTS]}")
+    ap.add_argument("--json", default=None, help="write the run here (default $OUT/variant_sweep.json when OUT is set)")
+    ap.add_argument("--rerender", metavar="JSON", help="rewrite a run's table and chart into --out (no GPU)")
+    ap.add_argument("--out", default=None, help="with --rerender: the folder (default: the JSON's)")
+    args = ap.parse_args()
+    if args.rerender:
+        src = Path(args.rerender)
+        print(report(json.loads(src.read_text()), Path(args.out) if args.out else src.parent, src.stem))
+        return 0
+    wanted = [n for n in args.only.split(",") if n]
+    unknown = set(wanted) - {v.name for v in VARIANTS}
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}")
+    variants = [v for v in VARIANTS if not wanted or v.name in wanted]
+    build_all(variants)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_gbps=copy_ceiling_gbps()[0],
+                rows=[])
+    ab.spin_up_clocks()
+    bad = 0
+    for v in variants:
+        for measure in (decode_row, prefill_row):
+            row = dict(variant=v.name, **{k: x for k, x in asdict(v).items() if k != "name"}, **measure(v, gen))
+            row = {k: round(x, 4) if isinstance(x, float) else x for k, x in row.items()}
+            meta["rows"].append(row)
+            bad += not row["diff"] <= TOLERANCE
+            print(table([row]).splitlines()[-1], flush=True)
+            torch.cuda.empty_cache()
+    print(table(meta["rows"]))
+    path = args.json or (os.path.join(os.environ["OUT"], "variant_sweep.json") if os.environ.get("OUT") else None)
+    if path:
+        report(meta, Path(path).parent, Path(path).stem)
+    if bad:
+        print(f"# {bad} launches differ from SDPA by more than {TOLERANCE}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
