@@ -44,6 +44,9 @@ WG_CASES = {
     "bf16-d256-g2-p16": PA(16, 8, 256, 16, "bf16", "bf16"),
     "fp16-d256-g2-p32-window-softcap-split3": PA(8, 4, 256, 32, "fp16", "fp16", window=300, softcap=50.0,
                                                  num_splits=3),
+    # D 80 and 96: rows padded to 128 columns in shared memory (TMA zero-fills them; S reads D columns)
+    "bf16-d96-g1-p16": PA(8, 8, 96, 16, "bf16", "bf16"),
+    "fp16-d80-g4-p32-window-softcap-split3": PA(16, 4, 80, 32, "fp16", "fp16", window=300, softcap=30.0, num_splits=3),
 }
 SHAPES = {
     "long": dict(kv_lens=[700, 1100], q_lens=[700, 1100]),
@@ -62,6 +65,7 @@ DYNAMIC = {
     "fp16-d128-g3-p32": WG_CASES["fp16-d128-g3-p32-lse"],
     "bf16-d128-g1-p8": WG_CASES["bf16-d128-g1-p8"].replace(return_lse=True),
     "bf16-d256-g2-p16": WG_CASES["bf16-d256-g2-p16"].replace(return_lse=True),
+    "bf16-d96-g1-p16": WG_CASES["bf16-d96-g1-p16"].replace(return_lse=True),
 }
 DYNAMIC_SPLITS = (3, 16)  # 3: a split group of one split (odd count); 16: 8 split groups an item
 SMALL = DYNAMIC["fp16-d64-g4-p16"]
@@ -526,9 +530,10 @@ def test_prefill_overlap_off_mixed_ubatch(overlap_production, case):
     (PA(32, 8, 128, 16, "bf16", "bf16"), True),
     (PA(8, 2, 64, 8, "fp16", "fp16", window=9, softcap=5.0, alibi=True, num_splits=2), True),
     (PA(8, 2, 128, 4, "bf16", "bf16"), False),  # a page is less than one 1024-byte swizzle atom
-    (PA(8, 2, 96, 16, "bf16", "bf16"), False),  # rows are not whole 128-byte halves
+    (PA(8, 2, 96, 16, "bf16", "bf16"), True),  # rows padded to 2 halves (128 columns)
     (PA(8, 2, 256, 16, "bf16", "bf16"), True),  # 4 halves a row, 64-position tiles
-    (PA(8, 2, 80, 16, "bf16", "bf16"), False),
+    (PA(8, 2, 80, 16, "bf16", "bf16"), True),
+    (PA(8, 2, 112, 16, "bf16", "bf16"), False),  # not in attention.WG_HEAD_DIMS
     (PA(8, 2, 128, 16, "bf16", "fp8_e4m3"), False),  # quantised KV is dequantised through smem
     (PA(8, 2, 128, 16, "bf16", "bf16", variant="unified_masked"), False),
 ])
@@ -578,7 +583,7 @@ def test_the_prefill_knob_picks_the_launched_op(monkeypatch):
     assert attention.launched_op(op, 4) == op.replace(num_splits=4, fused_merge=True, item_queue=True)
     assert attention.launched_op(op, 4, fused_merge=False).item_queue
     assert not attention.launched_op(op, 1, arch="sm_80").item_queue  # the mma.sync path keeps one item a block
-    assert not attention.launched_op(op.replace(head_dim=96, num_q_heads=8, num_kv_heads=2), 1).item_queue
+    assert not attention.launched_op(op.replace(page_size=4), 1).item_queue
 
 
 def test_item_queue_param_signature_and_cdef():

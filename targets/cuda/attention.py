@@ -24,9 +24,10 @@ from ...errors import IRError
 TEMPLATE = "cuda/paged_attention.cu.j2"
 WARPS = 4  # warps of a decode group, and of a block on the mma.sync path
 WG_WARPS = 8  # consumer warps of a block on the wgmma path (+ a producer warpgroup): two warpgroups share each K/V tile; two decode groups
-# wgmma tiles by head_dim: (K/V positions per tile, TMA stages); the stages fill the shared
-# memory that the 8-warp decode blocks of the same kernel take anyway
+# wgmma tiles by the padded width (wgmma_width): (K/V positions per tile, TMA stages); the stages fill the
+# shared memory that the 8-warp decode blocks of the same kernel take anyway
 WG_TILE = {128: (128, 3), 64: (128, 6), 256: (64, 2)}
+WG_HEAD_DIMS = (64, 80, 96, 128, 256)  # head dims on the wgmma path (80 and 96 padded to 128 columns)
 DECODE_TILE = 16  # K/V positions per warp tile in decode blocks
 MIN_SPLIT_LEN = 256  # a split shorter than this spends more on its merge than it gains
 MAX_SPLITS = 64
@@ -88,10 +89,17 @@ HOPPER_ARCHS = ("sm_90", "sm_90a")
 
 def uses_wgmma(op: ir.PagedAttention, arch: str = "sm_90") -> bool:
     """Whether prefill tiles run the Hopper path: 16-bit KV of q's dtype (TMA copies it as is),
-    head_dim 64, 128 or 256 (whole 128-byte swizzle rows; WG_TILE), pages of >= 8 positions (a TMA box per page
+    head_dim in WG_HEAD_DIMS (wgmma_width), pages of >= 8 positions (a TMA box per page
     must fill whole 1024-byte swizzle atoms), and not decode_only (no prefill tiles)."""
     return (arch in HOPPER_ARCHS and op.variant == "ua" and op.kv_dtype == op.q_dtype
-            and op.head_dim in WG_TILE and op.page_size >= 8 and not op.decode_only)
+            and op.head_dim in WG_HEAD_DIMS and op.page_size >= 8 and not op.decode_only)
+
+
+def wgmma_width(head_dim: int) -> int:
+    """Columns of a K, V or Q row in the wgmma path's shared memory: head_dim rounded up to whole 64-column
+    (128-byte swizzle) halves. TMA fills the columns past head_dim with zeros, S = Q K^T reads only the
+    head_dim ones, and O += P V runs over all of them (the extra O columns stay zero and are not stored)."""
+    return -(-head_dim // 64) * 64
 
 
 def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
@@ -127,8 +135,9 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
     # thread, O: D / 2) that a third, producer warpgroup loads; TMA stages of K + V and the consumers'
     # Q rows, + 1 KB to align them; one 12-warp block a SM, whose decode items run as two 4-warp
     # groups, each with the mma.sync path's smem
-    bn_wg, stages_wg = WG_TILE[D]
-    smem_prefill = stages_wg * 2 * bn_wg * D * 2 + 2 * 64 * D * 2 + 1024  # K + V stages, Q of 2 x 64 rows, alignment
+    DW = wgmma_width(D)
+    bn_wg, stages_wg = WG_TILE[DW]
+    smem_prefill = stages_wg * 2 * bn_wg * DW * 2 + 2 * 64 * DW * 2 + 1024  # K + V stages, Q of 2 x 64 rows, alignment
     groups = warps // WARPS
     return Layout(bn_prefill, mt_prefill, kv_rows, stages, max(groups * smem, smem_prefill), min_blocks=1, warps=warps,
                   wgmma=True, bn_wg=bn_wg, stages_wg=stages_wg, smem_prefill=smem_prefill)
@@ -237,7 +246,8 @@ def template_context(op: ir.PagedAttention, arch: str = "sm_90", shape: int = 0)
     design["pdl"] = design["pdl"] == "1" and arch in HOPPER_ARCHS  # griddepcontrol is sm_90+
     return TEMPLATE, dict(
         variant=op.variant, unified=op.variant == "unified_masked",
-        Hq=op.num_q_heads, Hkv=op.num_kv_heads, D=op.head_dim, P=op.page_size,
+        Hq=op.num_q_heads, Hkv=op.num_kv_heads, D=op.head_dim, DW=wgmma_width(op.head_dim) if lay.wgmma else op.head_dim,
+        P=op.page_size,
         q_dtype=op.q_dtype, kv_dtype=op.kv_dtype, q_ctype=ir.DTYPES[op.q_dtype][1], kv_ctype=ir.DTYPES[op.kv_dtype][1],
         quantized=op.quantized, num_splits=op.num_splits, write_lse=op.return_lse and op.num_splits == 1,
         window=op.window, softcap=op.softcap, softcap_c=_c_float(op.softcap or 1.0), alibi=op.alibi,
