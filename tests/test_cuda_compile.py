@@ -486,18 +486,22 @@ DECODE_BENCH_OPS = [  # the decode-only ops the benchmarks' decode rows launch (
     PA(32, 8, 128, 16, "bf16", "bf16", num_splits=32, fused_merge=True, decode_only=True),
     PA(32, 8, 128, 16, "bf16", "int8", num_splits=4, fused_merge=True, decode_only=True),
     PA(32, 8, 128, 16, "bf16", "fp8_e4m3", num_splits=4, fused_merge=True, decode_only=True),
+    # bench/variant_sweep.py's D 64 and D 80 rows: as many blocks as shared memory holds (4 and 3)
+    PA(32, 4, 64, 16, "bf16", "bf16", num_splits=8, fused_merge=True, decode_only=True),
+    PA(32, 8, 80, 16, "bf16", "bf16", num_splits=3, fused_merge=True, decode_only=True),
 ]
 
 
 def test_decode_only_kernels_fit_their_register_budget_without_spills(tmp_path, monkeypatch):
-    """A decode-only kernel's layout asks ptxas for 2 (16-bit KV) or 3 (quantised) blocks an SM; a spill to
-    local memory would cost more than the extra block gains. ptxas' -warn-spills lines land in build.json."""
+    """A decode-only kernel's layout asks ptxas for 2 (16-bit KV; up to 4 where shared memory holds them) or 3
+    (quantised) blocks an SM; a spill to local memory would cost more than the extra block gains. ptxas'
+    -warn-spills lines land in build.json."""
     from uacompile.targets.cuda import attention
     from uacompile.targets.cuda.build import build
 
     monkeypatch.setenv("UACOMPILE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-Xptxas -warn-spills")
-    assert [attention.layout(op).blocks_per_sm for op in DECODE_BENCH_OPS] == [2, 2, 2, 3, 3]
+    assert [attention.layout(op).blocks_per_sm for op in DECODE_BENCH_OPS] == [2, 2, 2, 3, 3, 4, 3]
     res = build(DECODE_BENCH_OPS, "sm_90")
     warnings = json.loads((res.path.parent / "build.json").read_text())["warnings"]
     assert not [w for w in warnings if "spill" in w.lower()], warnings

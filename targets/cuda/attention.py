@@ -129,6 +129,10 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
     q_bytes = WARPS * 16 * mt_prefill * (D + 8) * 2  # resident Q rows (decode: its third K/V stage)
     combine = WARPS * 16 * (D + 4) * 4 + 2 * WARPS * 16 * 4
     smem = max(tiles + stages * raw_stage + q_bytes, combine)
+    if op.decode_only and not op.quantized:
+        # as many blocks as shared memory holds (D 64: 4, D 80: 3), up to 4: the register cap stays >= 128, where
+        # ptxas fits these kernels without spills; the split rule then counts the SM's real slots
+        min_blocks = max(min_blocks, min(4, SMEM_PER_SM // (smem + 2048)))
     if not wgmma:
         return Layout(bn_prefill, mt_prefill, kv_rows, stages, smem, min_blocks=min_blocks)
     # wgmma: 2 consumer warpgroups x 64 rows share bn_wg-position K/V tiles (S: bn_wg / 2 registers a
