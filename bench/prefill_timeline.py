@@ -1,9 +1,9 @@
 """Prefill timeline probe: where a Hopper prefill item's time goes (bench/NOTES-attention.md v31).
 
-    python3 bench/prefill_timeline.py [--shapes 8x4096,2x16384] [--samples 5] [--json PATH]
+    python3 bench/prefill_timeline.py [--shapes 8x4096,2x16384] [--samples 5] [--heads 32/8] [--json PATH]
 
 Builds the benchmarks' causal prefill launch (bf16 Hq32/Hkv8 D128 P16, one split, the item queue:
-attention.launched_op) twice: as is, and with the template's probe switch -DUA_PREFILL_TIMELINE, whose
+attention.launched_op; --heads HQ/HKV takes other head counts, e.g. 32/32 for MHA) twice: as is, and with the template's probe switch -DUA_PREFILL_TIMELINE, whose
 persistent prefill blocks stamp per item they take (%globaltimer ns and the SM's %clock) when the K
 producer took it, issued its first and last K tile, the V producer its first V tile, and when each
 consumer warpgroup received it, finished its prologue, issued S(0), finished tile 0's softmax, issued
@@ -22,6 +22,7 @@ offsets from ns_base).
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ PRODUCER_POINTS = ("taken", "k_first", "k_last", "v_first")
 WG_POINTS = ("received", "prologue", "s0", "softmax0", "last_issued", "run_end", "stored")
 POINTS = PRODUCER_POINTS + tuple(f"wg{w}_{p}" for w in (0, 1) for p in WG_POINTS)
 SHAPES = [(8, 4096), (2, 16384)]
+HEADS = [32, 8]  # query and KV heads of the probed op (--heads)
 TOLERANCE = 2e-2  # bf16 output vs SDPA (as bench/decode_sweep.py)
 LENGTHS = [("1-4", 1, 4), ("5-16", 5, 16), ("17+", 17, 1 << 30)]  # an item's K/V tiles
 
@@ -268,7 +270,7 @@ def headline(r: dict, samples: int) -> str:
     checks = ", ".join(f"{n} {'ok' if c['ok'] else 'BAD'} ({c['max_diff']:.3g})" for n, c in r["checks"].items())
     g = r["graph_us"]
     cost = 100 * (g["probe"] / g["production"] - 1)
-    return (f"{r['shape']} causal: {r['items']} items on {r['ctas']} blocks ({s['blocks']} recorded, {s['sms']} SMs), "
+    return (f"{r['shape']} causal, Hq/Hkv {r['heads']}: {r['items']} items on {r['ctas']} blocks ({s['blocks']} recorded, {s['sms']} SMs), "
             f"{s['items']} records a replay; vs SDPA: {checks}; graph us production {g['production']:.1f}, probe "
             f"{g['probe']:.1f} ({cost:+.1f}%), SDPA {g['sdpa']:.1f} (production {g['sdpa'] / g['production']:.3f}x SDPA); "
             f"stamps ordered: {r['stamps_ordered']}, one record an item: {r['one_record_an_item']}; "
@@ -282,7 +284,9 @@ def production_op():
 
     from uacompile.targets.cuda import attention
 
-    return attention.launched_op(ab.op_of(), 1, arch=attention._arch(0))
+    from uacompile import ir
+
+    return attention.launched_op(ir.PagedAttention(*HEADS, ab.D, ab.P, "bf16", "bf16"), 1, arch=attention._arch(0))
 
 
 def run_shape(B: int, L: int, libs: dict, samples: int, gen) -> dict:
@@ -292,7 +296,7 @@ def run_shape(B: int, L: int, libs: dict, samples: int, gen) -> dict:
     from uacompile.targets.cuda import api, attention
 
     op = production_op()
-    b = ab.PagedBatch(B, L, L, gen)
+    b = ab.PagedBatch(B, L, L, gen, (*HEADS, ab.D, ab.P))
     k, v = b.contiguous_kv()
     want = ab.sdpa(b.q_bhld(), k, v, True)
     calls, checks = {}, {}
@@ -302,7 +306,7 @@ def run_shape(B: int, L: int, libs: dict, samples: int, gen) -> dict:
         b.out.fill_(float("nan"))
         calls[name]()
         torch.cuda.synchronize()
-        diff = (b.out.view(B, L, ab.HQ, ab.D).transpose(1, 2).float() - want.float()).abs().max().item()
+        diff = (b.out.view(B, L, HEADS[0], ab.D).transpose(1, 2).float() - want.float()).abs().max().item()
         checks[name] = dict(max_diff=diff, ok=diff <= TOLERANCE)  # NaN (an unwritten element) compares False
     fns = dict(calls, sdpa=lambda: ab.sdpa(b.q_bhld(), k, v, True))
     timings = ab.time_graphs(fns, calls=2, rounds=ab.ROUNDS)
@@ -328,11 +332,15 @@ def run_shape(B: int, L: int, libs: dict, samples: int, gen) -> dict:
     raw.update(ns_base=base, ns=np.where(last["ns"] > 0, last["ns"] - base, -1).tolist())
     del graph, b, k, v, want
     torch.cuda.empty_cache()
-    return dict(shape=f"{B}x{L}", items=items, ctas=ctas, checks=checks, graph_us=graph_us, stamps_ordered=order_ok,
+    return dict(shape=f"{B}x{L}", heads="/".join(map(str, HEADS)), items=items, ctas=ctas, checks=checks, graph_us=graph_us, stamps_ordered=order_ok,
                 one_record_an_item=one_each, summary=summarize(recs), records=raw)
 
 
 def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(add_help=False)  # --heads; the rest is timeline_main's command line
+    ap.add_argument("--heads", default="/".join(map(str, HEADS)))
+    known, argv = ap.parse_known_args(argv)
+    HEADS[:] = [int(x) for x in known.heads.split("/")]
     return timeline_main(
         argv, doc=__doc__, script="prefill_timeline", probe_flag=PROBE_FLAG, points=POINTS,
         rows="BxL causal prefill rows", shapes=SHAPES, samples=5, ops_of=lambda shapes: [production_op()],

@@ -6,8 +6,8 @@
 One template (templates/cuda/paged_attention.cu.j2) serves decode tokens, prefill chunks
 and mixed ubatches in one launch; `template_context(op, arch)` is its context builder (render.py
 calls it). On Hopper (sm_90) prefill tiles of 16-bit KV with head_dim 64, 80, 96, 128 or 256 (80 and
-96 padded to 128 columns in shared memory: wgmma_width) and pages of 8+ positions run on wgmma with TMA loads (templates/cuda/attention_wgmma.cuh.j2, built for
-sm_90a); everything else runs the mma.sync path, which every arch from sm_80 has. With num_splits > 1 the kernel writes split-KV
+96 padded to 128 columns in shared memory: wgmma_width) and pages of 8+ positions run on wgmma with
+TMA loads (templates/cuda/attention_wgmma.cuh.j2, built for sm_90a); everything else runs the mma.sync path, which every arch from sm_80 has. With num_splits > 1 the kernel writes split-KV
 partials, and with fused_merge (what `paged_attention()` builds) the last split of each (token,
 KV head) merges them in the same launch (`fused_merge=False`: merge_state, the plumbing template,
 as a second launch); `paged_attention()` picks the split count from the shapes alone (so a CUDA
