@@ -3,6 +3,7 @@
 #   bash bench/run_device.sh                      # all GPU tests, then the whole benchmark
 #   UA_GPU_TESTS=tests/test_cuda_gpu.py UA_BENCH_ARGS="--only cache,swap,build" bash bench/run_device.sh
 #   UA_GPU_TESTS=tests/test_cuda_decode_gpu.py UA_BENCH_SCRIPT="bench/decode_sweep.py --extra" bash bench/run_device.sh
+#   UA_SKIP_TESTS=1 UA_BENCH_SCRIPT="bench/variant_sweep.py" bash bench/run_device.sh   # head dims, GQA, pages (~30 s)
 # Installs the carried wheels (cffi, pycparser, ...), makes the package importable without
 # installing the repo, runs `pytest -m gpu`, then bench/kernels.py; logs, JSON and table go to $OUT.
 set -uo pipefail
