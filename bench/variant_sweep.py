@@ -1,7 +1,7 @@
 """Attention across the variant axes on the device: ours against torch SDPA on contiguous KV.
 
     python3 bench/variant_sweep.py [--only NAME,...] [--json PATH]   # JSON also to $OUT/variant_sweep.json
-    python3 bench/variant_sweep.py --rerender JSON [--out DIR]        # table and chart of a run (no GPU)
+    python3 bench/variant_sweep.py --rerender JSON [--out DIR] [--before JSON]  # a run's table and chart (no GPU)
 
 bench/kernels.py checks the targets on one geometry (ANCHORS.md's: bf16, Hq 32, Hkv 8, D 128, page
 16). A user's model has its own: MHA, GQA 7 (Qwen2.5-7B), GQA 8 and 16, head dims 64 / 80 / 96 / 256,
@@ -143,8 +143,9 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
-def chart(rows, path: Path, title: str) -> bool:
-    """Ours / SDPA per variant, decode and prefill side by side (1.0: SDPA's speed); False without matplotlib."""
+def chart(rows, path: Path, title: str, before=None) -> bool:
+    """Ours / SDPA per variant, decode and prefill side by side (1.0: SDPA's speed), with an earlier run's rows
+    (before) as dotted lines across the bars; False without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -158,25 +159,34 @@ def chart(rows, path: Path, title: str) -> bool:
         by = {r["variant"]: r["ratio"] for r in rows if r["op"] == op}
         xs = [i - 0.2 + 0.4 * k for i, n in enumerate(names) if n in by]
         bars = ax.bar(xs, [by[n] for n in names if n in by], 0.4, label=op, color=color)
+        was = {r["variant"]: r["ratio"] for r in before or () if r["op"] == op}
+        pairs = [(x, was[n]) for x, n in zip(xs, [n for n in names if n in by]) if n in was]
+        if pairs:  # the earlier run: a dotted line across each bar at its ratio then
+            ax.hlines([w for _, w in pairs], [x - 0.2 for x, _ in pairs], [x + 0.2 for x, _ in pairs], colors="k",
+                      linestyles=":", lw=1.2, zorder=3, label="before" if k == 0 else None)
         ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xticks(range(len(names)), names, rotation=30, fontsize=8)
     ax.set_ylabel("SDPA time / ours (> 1: ours faster)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return True
 
 
-def report(meta: dict, out_dir: Path, stem: str) -> str:
-    """Write <stem>.json, .md and .png (when matplotlib is there) under out_dir; returns the markdown."""
+def report(meta: dict, out_dir: Path, stem: str, before: dict | None = None) -> str:
+    """Write <stem>.json, .md and .png (when matplotlib is there; before: an earlier run drawn behind it) under
+    out_dir; returns the markdown."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.json").write_text(json.dumps(meta, indent=1))
     md = f"# Paged attention across variants, {meta['gpu']}, {meta['date']}\n\n"
-    if chart(meta["rows"], out_dir / f"{stem}.png", f"Ours / torch SDPA (contiguous KV), {meta['gpu']}, {meta['date']}"):
+    title = f"Ours / torch SDPA (contiguous KV), {meta['gpu']}, {meta['date']}"
+    if chart(meta["rows"], out_dir / f"{stem}.png", title, before and before["rows"]):
         md += f"![ours / SDPA per variant]({stem}.png)\n\n"
+    if before:
+        md += f"Dotted lines: the ratio in {before.get('label', 'an earlier run')}.\n\n"
     md += (f"Copy ceiling {meta['copy_gbps']:.0f} GB/s. Ours at the split count paged_attention() picks; SDPA on "
            f"contiguous copies of the same K/V, timed interleaved.\n\n{table(meta['rows'])}\n")
     (out_dir / f"{stem}.md").write_text(md)
@@ -189,10 +199,14 @@ def main():
     ap.add_argument("--json", default=None, help="write the run here (default $OUT/variant_sweep.json when OUT is set)")
     ap.add_argument("--rerender", metavar="JSON", help="rewrite a run's table and chart into --out (no GPU)")
     ap.add_argument("--out", default=None, help="with --rerender: the folder (default: the JSON's)")
+    ap.add_argument("--before", metavar="JSON", help="with --rerender: an earlier run, drawn as dotted lines")
     args = ap.parse_args()
     if args.rerender:
         src = Path(args.rerender)
-        print(report(json.loads(src.read_text()), Path(args.out) if args.out else src.parent, src.stem))
+        before = json.loads(Path(args.before).read_text()) if args.before else None
+        if before is not None:
+            before.setdefault("label", f"{Path(args.before).name} ({before['date']})")
+        print(report(json.loads(src.read_text()), Path(args.out) if args.out else src.parent, src.stem, before))
         return 0
     wanted = [n for n in args.only.split(",") if n]
     unknown = set(wanted) - {v.name for v in VARIANTS}

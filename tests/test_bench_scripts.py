@@ -173,13 +173,15 @@ def test_variant_sweep_rerenders_a_run_and_times_the_launched_ops(tmp_path, monk
     monkeypatch.syspath_prepend(str(BENCH))
     sweep = importlib.import_module("variant_sweep")
     src = BENCH / "results" / "variants-2026-12-01-s12.json"
-    out = subprocess.run([sys.executable, str(BENCH / "variant_sweep.py"), "--rerender", str(src), "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    before = BENCH / "results" / "variants-2026-12-01-s12-before.json"
+    out = subprocess.run([sys.executable, str(BENCH / "variant_sweep.py"), "--rerender", str(src), "--out", str(tmp_path),
+                          "--before", str(before)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(src.read_text())["rows"]
     md = (tmp_path / "variants-2026-12-01-s12.md").read_text()
     assert len(rows) == 2 * len(sweep.VARIANTS) and md.count("\n| ") == len(rows) + 1
     assert "| d256 | Gemma-2-9B | 16/8 | 256 | 16 | bf16 | prefill |" in md
+    assert "Dotted lines: the ratio in the same sweep on session 11's code" in md  # the before run's label
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "variants-2026-12-01-s12.png").stat().st_size > 20_000
     for v in sweep.VARIANTS:
