@@ -118,21 +118,22 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
     min_blocks = 2 if D <= 128 else 1
     if op.decode_only:
         # one 4-warp decode group a block. 16-bit KV: the mixed kernel's smem (2 stages + the Q region as a
-        # third), 2 blocks an SM. Quantised KV, whose decode reads the raw stage (the template's QFAST: D 64 or
-        # a multiple of 128), drops the converted tiles and half the Q rows for a third raw stage and a third
-        # block an SM (the mixed kernel's prefill path holds it at 255 registers, 2 blocks).
+        # third), as many blocks an SM as it holds (below). Quantised KV, whose decode reads the raw stage (the
+        # template's QFAST: D 64 or a multiple of 128), drops the converted tiles and half the Q rows for a third
+        # raw stage and a third block an SM (the mixed kernel's prefill path holds it at 255 registers, 2 blocks).
         if op.quantized:
             stages, mt_prefill, min_blocks = 3, 1, 3 if D <= 128 else 2
             tiles = 0 if D == 64 or D % 128 == 0 else 2 * tile  # else dequant_tile's converted pair
         else:
-            mt_prefill, min_blocks = 2, 2
+            mt_prefill = 2
     q_bytes = WARPS * 16 * mt_prefill * (D + 8) * 2  # resident Q rows (decode: its third K/V stage)
     combine = WARPS * 16 * (D + 4) * 4 + 2 * WARPS * 16 * 4
     smem = max(tiles + stages * raw_stage + q_bytes, combine)
     if op.decode_only and not op.quantized:
-        # as many blocks as shared memory holds (D 64: 4, D 80: 3), up to 4: the register cap stays >= 128, where
-        # ptxas fits these kernels without spills; the split rule then counts the SM's real slots
-        min_blocks = max(min_blocks, min(4, SMEM_PER_SM // (smem + 2048)))
+        # 16-bit decode-only: at least 2 blocks an SM, and as many as shared memory holds (D 64: 4, D 80: 3) up to 4:
+        # the register cap stays >= 128, where ptxas fits these kernels without spills; the split rule then counts
+        # the SM's real slots
+        min_blocks = max(2, min(4, SMEM_PER_SM // (smem + 2048)))
     if not wgmma:
         return Layout(bn_prefill, mt_prefill, kv_rows, stages, smem, min_blocks=min_blocks)
     # wgmma: 2 consumer warpgroups x 64 rows share bn_wg-position K/V tiles (S: bn_wg / 2 registers a
