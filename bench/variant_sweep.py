@@ -88,7 +88,7 @@ def launched_ops(v: Variant) -> tuple[ir.PagedAttention, int, ir.PagedAttention]
 
 def build_all(variants, log=print) -> None:
     """Every launched kernel built at once (one nvcc a kernel, in parallel), so timing never waits on a build."""
-    ops = list(dict.fromkeys(op for v in variants for op in (launched_ops(v)[0], launched_ops(v)[2])))
+    ops = list(dict.fromkeys(op for v in variants for op in launched_ops(v)[::2]))  # (decode op, prefill op)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(min(16, os.cpu_count() or 2)) as pool:
         list(pool.map(api.kernel, ops))
