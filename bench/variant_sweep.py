@@ -71,6 +71,7 @@ VARIANTS = [
     Variant("d96", "Phi-3-mini", 32, 32, 96),
     Variant("d256", "Gemma-2-9B", 16, 8, 256),
     Variant("page1", "page 1", 32, 8, 128, p=1),
+    Variant("page4", "page 4", 32, 8, 128, p=4),
     Variant("page64", "page 64", 32, 8, 128, p=64),
     Variant("page256", "page 256", 32, 8, 128, p=256),
     Variant("fp16", "fp16", 32, 8, 128, dtype="fp16"),

@@ -172,22 +172,22 @@ def test_variant_sweep_rerenders_a_run_and_times_the_launched_ops(tmp_path, monk
 
     monkeypatch.syspath_prepend(str(BENCH))
     sweep = importlib.import_module("variant_sweep")
-    src = BENCH / "results" / "variants-2026-12-01-s12.json"
-    before = BENCH / "results" / "variants-2026-12-01-s12-before.json"
+    src = BENCH / "results" / "variants-2026-12-01-s13.json"
+    before = BENCH / "results" / "variants-2026-12-01-s12.json"
     out = subprocess.run([sys.executable, str(BENCH / "variant_sweep.py"), "--rerender", str(src), "--out", str(tmp_path),
                           "--before", str(before)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(src.read_text())["rows"]
-    md = (tmp_path / "variants-2026-12-01-s12.md").read_text()
+    md = (tmp_path / "variants-2026-12-01-s13.md").read_text()
     assert len(rows) == 2 * len(sweep.VARIANTS) and md.count("\n| ") == len(rows) + 1
     assert "| d256 | Gemma-2-9B | 16/8 | 256 | 16 | bf16 | prefill |" in md
-    assert "Dotted lines: the ratio in the same sweep on session 11's code" in md  # the before run's label
+    assert "| page1 | page 1 | 32/8 | 128 | 1 | bf16 | prefill |" in md
+    assert "Dotted lines: the ratio in variants-2026-12-01-s12.json" in md  # the before run's label
     if importlib.util.find_spec("matplotlib"):
-        assert (tmp_path / "variants-2026-12-01-s12.png").stat().st_size > 20_000
+        assert (tmp_path / "variants-2026-12-01-s13.png").stat().st_size > 20_000
     for v in sweep.VARIANTS:
         decode, splits, prefill = sweep.launched_ops(v)
         assert decode.decode_only and decode.num_splits == splits and not prefill.decode_only
         assert splits == attention.launch_splits(v.op(), sweep.DECODE_B, sweep.DECODE_B, v.decode_len())
         assert v.decode_len() % v.p == 0 and prefill.item_queue == attention.uses_wgmma(prefill)
-    assert {v.name for v in sweep.VARIANTS if attention.uses_wgmma(sweep.launched_ops(v)[2])} == \
-        {v.name for v in sweep.VARIANTS} - {"page1"}  # pages under 8 positions: the mma.sync path
+    assert all(attention.uses_wgmma(sweep.launched_ops(v)[2]) for v in sweep.VARIANTS)  # page 1 included

@@ -402,8 +402,9 @@ WGMMA_WORST = [(PA(32, 8, 128, 16, "bf16", "bf16"), 8), (PA(32, 8, 128, 16, "bf1
 def test_census_worst_cases_keep_wgmma_unserialised_in_code_shape_0(tmp_path, monkeypatch):
     """The half-wide last tile's scores in registers of their own (bench/NOTES-attention.md v37): the launched ops
     that ptxas serialised in every code shape build unserialised in shape 0, which build() keeps; with
-    -DUA_PREFILL_HALF_OWN=0 (the scores in the first half of s) the 8-split op serialises again in shape 0, so this
-    test sees what it guards."""
+    -DUA_PREFILL_HALF_OWN=0 (the scores in the first half of s) the D 64 op serialises again in shape 0, so this
+    test sees what it guards. (Which ops serialise without v37 moves with small changes elsewhere in the kernel:
+    session 13's producer change unserialised the 8-split op and serialised the 1-split one.)"""
     from uacompile.targets.cuda import attention
     from uacompile.targets.cuda.build import build
 
@@ -413,9 +414,9 @@ def test_census_worst_cases_keep_wgmma_unserialised_in_code_shape_0(tmp_path, mo
     assert not [w for w in rec["warnings"] if "wgmma" in w], rec["attempts"]
     assert set(rec["code_shapes"].values()) == {0}, rec["attempts"]
     monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_HALF_OWN=0")
-    rec = json.loads((build(ops[0], "sm_90").path.parent / "build.json").read_text())
-    shape0 = [a for a in rec["attempts"] if a["shapes"] == {ops[0].symbol(): 0}]
-    assert shape0 and shape0[0]["serialised"] == [ops[0].symbol()], rec["attempts"]
+    rec = json.loads((build(ops[2], "sm_90").path.parent / "build.json").read_text())
+    shape0 = [a for a in rec["attempts"] if a["shapes"] == {ops[2].symbol(): 0}]
+    assert shape0 and shape0[0]["serialised"] == [ops[2].symbol()], rec["attempts"]
 
 
 def test_serialised_kernels_names_the_ops():
@@ -456,16 +457,17 @@ def test_code_shapes_render_one_computation_several_ways():
 def test_build_keeps_each_kernel_in_its_first_unserialised_code_shape(tmp_path, monkeypatch):
     """build() builds the unit in code shape 0 and rebuilds each op that ptxas serialised (wgmma) in its next
     shape, until every op has a clean one. Since v37 shape 0 is clean, so the test builds v37's aliased
-    scores (-DUA_PREFILL_HALF_OWN=0), in which shape 0 serialises the 2- and 16-split ops that paged_attention()
-    launches and shape 1 the 1- and 32-split ones: each op comes out unserialised; build.json keeps every
-    attempt."""
+    scores (-DUA_PREFILL_HALF_OWN=0), in which shapes 0 and 1 serialise the 32-split op that paged_attention()
+    launches and shape 2 does not: each op comes out unserialised; build.json keeps every attempt. (Session 13's
+    producer change moved these: shape 0 had serialised the 2- and 16-split ops and shape 1 the others; the
+    1-split op now serialises in every shape without v37, so it is left out.)"""
     from uacompile.targets.cuda import attention
     from uacompile.targets.cuda.build import build
 
     monkeypatch.setenv("UACOMPILE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_HALF_OWN=0")
     op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16")
-    ops = [attention.launched_op(op, s, design=attention.design_of("")) for s in (1, 2, 16, 32)]
+    ops = [attention.launched_op(op, s, design=attention.design_of("")) for s in (2, 16, 32)]
     res = build(ops, "sm_90")
     rec = json.loads((res.path.parent / "build.json").read_text())
     assert not [w for w in rec["warnings"] if "wgmma" in w], rec["attempts"]
@@ -553,3 +555,39 @@ def test_q_l2_prefetch_only_for_rows_of_a_kilobyte(tmp_path):
 
     assert prefetches(PA(32, 8, 128, 16, "bf16", "bf16")) > 0  # G 4 x D 128 x 2 B = 1 KB a token
     assert prefetches(PA(32, 32, 128, 16, "bf16", "bf16")) == 0  # MHA: 256 B
+
+
+def test_small_pages_take_the_cp_async_producer_unserialised(tmp_path, monkeypatch):
+    """Pages under 8 positions run the Hopper path with a cp.async producer (TMA boxes of 1-4 rows are correct but
+    cost ~20-30 cycles each: bench/NOTES-attention.md, session 13). In the PTX: each producer lane arrives on the
+    stage's full barrier after its copies, the consumers fence the generic-proxy writes before wgmma reads them,
+    and no K/V tensor copy is left; page 16 keeps TMA, and -DUA_CP_PRODUCER_BELOW=1 gives page 1 TMA boxes back.
+    The launched page-1 ops (one split, fused split-KV) build without serialised wgmma."""
+    import subprocess
+
+    from uacompile.targets.cuda import attention
+    from uacompile.targets.cuda.build import build, nvcc_flags, nvcc_path
+    from uacompile.targets.cuda.render import render_op
+
+    def ptx(op, *extra) -> str:
+        src = render_op(attention.launched_op(op, 1), "sm_90")
+        cu = tmp_path / "k.cu"
+        cu.write_text(src)
+        flags = [f for f in nvcc_flags("sm_90", src) if f != "-shared" and not f.startswith("-gencode")]
+        subprocess.run([nvcc_path(), *flags, *extra, "-arch=sm_90a", "-ptx", "-o", str(tmp_path / "k.ptx"), str(cu)],
+                       check=True, capture_output=True)
+        return (tmp_path / "k.ptx").read_text()
+
+    page1 = PA(32, 8, 128, 1, "bf16", "bf16")
+    assert attention.uses_wgmma(page1)
+    text = ptx(page1)
+    assert "cp.async.mbarrier.arrive.noinc" in text and "fence.proxy.async.shared::cta" in text
+    assert "cp.async.bulk.tensor" not in text
+    for text in (ptx(page1.replace(page_size=16)), ptx(page1, "-DUA_CP_PRODUCER_BELOW=1")):
+        assert "cp.async.bulk.tensor" in text and "cp.async.mbarrier.arrive.noinc" not in text
+
+    monkeypatch.setenv("UACOMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    ops = [attention.launched_op(page1, s, design=attention.design_of("")) for s in (1, 4)]
+    res = build(ops, "sm_90")
+    warnings = json.loads((res.path.parent / "build.json").read_text())["warnings"]
+    assert not [w for w in warnings if "wgmma" in w], warnings

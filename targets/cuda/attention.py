@@ -89,10 +89,11 @@ HOPPER_ARCHS = ("sm_90", "sm_90a")
 
 def uses_wgmma(op: ir.PagedAttention, arch: str = "sm_90") -> bool:
     """Whether prefill tiles run the Hopper path: 16-bit KV of q's dtype (TMA copies it as is),
-    head_dim in WG_HEAD_DIMS (wgmma_width), pages of >= 8 positions (a TMA box per page
-    must fill whole 1024-byte swizzle atoms), and not decode_only (no prefill tiles)."""
+    head_dim in WG_HEAD_DIMS (wgmma_width), and not decode_only (no prefill tiles). Any page size: pages of >= 8
+    positions are TMA boxes; smaller ones are copied by cp.async from the producer warps into the same swizzled
+    layout (the template's CP_PRODUCER)."""
     return (arch in HOPPER_ARCHS and op.variant == "ua" and op.kv_dtype == op.q_dtype
-            and op.head_dim in WG_HEAD_DIMS and op.page_size >= 8 and not op.decode_only)
+            and op.head_dim in WG_HEAD_DIMS and not op.decode_only)
 
 
 def wgmma_width(head_dim: int) -> int:
