@@ -591,3 +591,15 @@ def test_small_pages_take_the_cp_async_producer_unserialised(tmp_path, monkeypat
     res = build(ops, "sm_90")
     warnings = json.loads((res.path.parent / "build.json").read_text())["warnings"]
     assert not [w for w in warnings if "wgmma" in w], warnings
+
+
+def test_blocks_an_sm_follow_the_arch_shared_memory():
+    """The split rule counts the blocks an SM holds from the arch's shared memory (attention.smem_per_sm): a 16-bit
+    decode-only kernel asks for as many blocks as fit, up to 4. D 64 (54 KB): 4 on sm_90's 228 KB, 2 on an A100's
+    164 KB; D 128 (102 KB): 2 and 1."""
+    from uacompile.targets.cuda import attention
+
+    d64, d128 = (PA(32, 8, d, 16, "bf16", "bf16", decode_only=True) for d in (64, 128))
+    assert attention.smem_per_sm("sm_90") == 228 * 1024 and attention.smem_per_sm("sm_80") == 164 * 1024
+    assert [(attention.layout(op, a).min_blocks, attention.layout(op, a).blocks_per_sm)
+            for op in (d64, d128) for a in ("sm_90", "sm_80")] == [(4, 4), (2, 2), (2, 2), (2, 1)]

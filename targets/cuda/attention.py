@@ -35,6 +35,12 @@ FULL_WAVE = 0.9  # prefill: items covering this share of the resident block slot
 WAVE_FILL_SLACK = 0.05  # decode: the fewest splits whose waves are within this of the best fill
 MANY_WAVES = 4  # decode: items filling this many waves already leave little idle at the end
 SMEM_PER_SM = 228 * 1024  # H100 / H200 (sm_90); 1 KB of it is reserved per block
+SMEM_PER_SM_OF = {"sm_80": 164 * 1024, "sm_87": 164 * 1024, "sm_86": 100 * 1024, "sm_89": 100 * 1024}  # A100, Orin; GA10x, Ada
+
+
+def smem_per_sm(arch: str) -> int:
+    """Shared memory of one SM of arch (the CUDA programming guide's table; sm_90 and newer data-centre parts: 228 KB)."""
+    return SMEM_PER_SM_OF.get(arch, SMEM_PER_SM)
 H200_SMS = 132
 
 
@@ -53,6 +59,7 @@ class Layout:
     bn_wg: int = 0  # K/V positions per wgmma tile
     stages_wg: int = 0  # TMA stages
     smem_prefill: int = 0  # the wgmma stages' shared memory (0: none)
+    sm_smem: int = SMEM_PER_SM  # of the arch's SM (smem_per_sm)
 
     @property
     def prefill_rows(self) -> int:
@@ -66,7 +73,7 @@ class Layout:
 
     @property
     def blocks_per_sm(self) -> int:
-        return max(1, min(SMEM_PER_SM // (self.smem_bytes + 1024 + 1024), self.min_blocks))
+        return max(1, min(self.sm_smem // (self.smem_bytes + 1024 + 1024), self.min_blocks))
 
 
 def check(op: ir.PagedAttention) -> None:
@@ -134,9 +141,9 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
         # 16-bit decode-only: at least 2 blocks an SM, and as many as shared memory holds (D 64: 4, D 80: 3) up to 4:
         # the register cap stays >= 128, where ptxas fits these kernels without spills; the split rule then counts
         # the SM's real slots
-        min_blocks = max(2, min(4, SMEM_PER_SM // (smem + 2048)))
+        min_blocks = max(2, min(4, smem_per_sm(arch) // (smem + 2048)))
     if not wgmma:
-        return Layout(bn_prefill, mt_prefill, kv_rows, stages, smem, min_blocks=min_blocks)
+        return Layout(bn_prefill, mt_prefill, kv_rows, stages, smem, min_blocks=min_blocks, sm_smem=smem_per_sm(arch))
     # wgmma: 2 consumer warpgroups x 64 rows share bn_wg-position K/V tiles (S: bn_wg / 2 registers a
     # thread, O: D / 2) that a third, producer warpgroup loads; TMA stages of K + V and the consumers'
     # Q rows, + 1 KB to align them; one 12-warp block a SM, whose decode items run as two 4-warp
