@@ -603,3 +603,17 @@ def test_blocks_an_sm_follow_the_arch_shared_memory():
     assert attention.smem_per_sm("sm_90") == 228 * 1024 and attention.smem_per_sm("sm_80") == 164 * 1024
     assert [(attention.layout(op, a).min_blocks, attention.layout(op, a).blocks_per_sm)
             for op in (d64, d128) for a in ("sm_90", "sm_80")] == [(4, 4), (2, 2), (2, 2), (2, 1)]
+
+
+def test_a_variant_beyond_the_arch_block_smem_is_refused_clearly():
+    """paged_attention() refuses, before launching, a variant whose blocks need more shared memory than the device's
+    arch gives one block (CUDA would fail the launch with a bare error): D 256 takes 165 KB on the mma.sync path,
+    which an A100 (163 KB a block) cannot hold; Hopper's 227 KB hold it and D 128 fits both."""
+    from uacompile.errors import IRError
+    from uacompile.targets.cuda import attention
+
+    d256, d128 = (PA(16, 8, d, 16, "bf16", "bf16") for d in (256, 128))
+    with pytest.raises(IRError, match="165 KB of shared memory; an sm_80 block at most 163 KB"):
+        attention.check_fits(d256, "sm_80")
+    attention.check_fits(d256, "sm_90")
+    attention.check_fits(d128, "sm_80")

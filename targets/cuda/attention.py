@@ -38,6 +38,20 @@ SMEM_PER_SM = 228 * 1024  # H100 / H200 (sm_90); 1 KB of it is reserved per bloc
 SMEM_PER_SM_OF = {"sm_80": 164 * 1024, "sm_87": 164 * 1024, "sm_86": 100 * 1024, "sm_89": 100 * 1024}  # A100, Orin; GA10x, Ada
 
 
+BLOCK_SMEM_OF = {"sm_80": 163 * 1024, "sm_87": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024}  # a block's opt-in max
+BLOCK_SMEM = 227 * 1024  # sm_90
+
+
+def check_fits(op: ir.PagedAttention, arch: str) -> None:
+    """IRError where the op's blocks need more shared memory than one block of arch may take, which a launch would
+    otherwise report as a bare CUDA error (D 256 on an A100: 165 KB against 163)."""
+    need, limit = layout(op, arch).smem_bytes, BLOCK_SMEM_OF.get(arch, BLOCK_SMEM)
+    if need > limit:
+        raise IRError("paged_attention.head_dim",
+                      f"this variant's blocks take {need / 1024:.0f} KB of shared memory; an {arch} block at most "
+                      f"{limit // 1024} KB (head_dim {op.head_dim}, {op.kv_dtype} KV)")
+
+
 def smem_per_sm(arch: str) -> int:
     """Shared memory of one SM of arch (the CUDA programming guide's table; sm_90 and newer data-centre parts: 228 KB)."""
     return SMEM_PER_SM_OF.get(arch, SMEM_PER_SM)
@@ -447,6 +461,7 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
     extra = dict(out=out, lse=lse) if op.return_lse else dict(out=out)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     run = launched_op(op, num_splits, fused_merge, _arch(q.device), design, decode_only)
+    check_fits(run, _arch(q.device))
     if run.item_queue:
         tensors["item_queue"] = _item_queue(q.device, stream)
     if num_splits > 1:  # this stream's partials workspace
