@@ -47,7 +47,7 @@ WG_CASES = {
     # D 80 and 96: rows padded to 128 columns in shared memory (TMA zero-fills them; S reads D columns)
     "bf16-d96-g1-p16": PA(8, 8, 96, 16, "bf16", "bf16"),
     "fp16-d80-g4-p32-window-softcap-split3": PA(16, 4, 80, 32, "fp16", "fp16", window=300, softcap=30.0, num_splits=3),
-    # pages under 8 positions: TMA boxes of 1-4 rows inside a 1024-byte swizzle atom (1 and 2: several a lane)
+    # pages under 8 positions: the cp.async producer (two warps each for K and V; 1 and 2: several pages a lane)
     "bf16-d128-g4-p1": PA(32, 8, 128, 1, "bf16", "bf16"),
     "fp16-d64-g2-p2-window-softcap-split3": PA(8, 4, 64, 2, "fp16", "fp16", window=300, softcap=20.0, num_splits=3),
     "bf16-d256-g2-p4": PA(8, 4, 256, 4, "bf16", "bf16"),
@@ -535,8 +535,8 @@ def test_prefill_overlap_off_mixed_ubatch(overlap_production, case):
 @pytest.mark.parametrize("op, hopper", [
     (PA(32, 8, 128, 16, "bf16", "bf16"), True),
     (PA(8, 2, 64, 8, "fp16", "fp16", window=9, softcap=5.0, alibi=True, num_splits=2), True),
-    (PA(8, 2, 128, 4, "bf16", "bf16"), True),  # boxes of 4 rows, inside a 1024-byte swizzle atom
-    (PA(8, 8, 64, 1, "fp16", "fp16"), True),  # a box a position, 4 a producer lane
+    (PA(8, 2, 128, 4, "bf16", "bf16"), True),  # pages under 8 positions: the cp.async producer
+    (PA(8, 8, 64, 1, "fp16", "fp16"), True),
     (PA(8, 2, 96, 16, "bf16", "bf16"), True),  # rows padded to 2 halves (128 columns)
     (PA(8, 2, 256, 16, "bf16", "bf16"), True),  # 4 halves a row, 64-position tiles
     (PA(8, 2, 80, 16, "bf16", "bf16"), True),
