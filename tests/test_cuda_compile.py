@@ -40,6 +40,7 @@ ATTENTION_VARIANTS = [
     PA(24, 2, 96, 32, "fp16", "fp16", softcap=30.0, alibi=True, return_lse=True), PA(16, 2, 256, 64, "bf16", "bf16"),
     PA(32, 8, 128, 16, "bf16", "bf16", variant="unified_masked"),
     PA(16, 4, 64, 8, "fp16", "fp16", window=32, return_lse=True),  # sm_90: the wgmma path with head_dim 64
+    PA(8, 8, 96, 2, "bf16", "bf16", return_lse=True),  # sm_90: the cp.async producer, padded columns, 2 pages a lane
     # sm_90: the dynamic prefill schedule with the fused merge and G 1 (its largest token windows); sm_80 ignores the queue
     PA(8, 8, 128, 16, "bf16", "bf16", num_splits=3, fused_merge=True, return_lse=True, item_queue=True),
     # decode-only kernels: the one-trip merge at 32 splits, quantised KV on the raw stage (3 blocks an SM), the
