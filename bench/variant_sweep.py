@@ -1,6 +1,7 @@
 """Attention across the variant axes on the device: ours against torch SDPA on contiguous KV.
 
     python3 bench/variant_sweep.py [--only NAME,...] [--json PATH]   # JSON also to $OUT/variant_sweep.json
+    python3 bench/variant_sweep.py --only d64 --wg-tile 64=192x4    # another Hopper prefill tile (attention.WG_TILE)
     python3 bench/variant_sweep.py --rerender JSON [--out DIR] [--before JSON]  # a run's table and chart (no GPU)
 
 bench/kernels.py checks the targets on one geometry (ANCHORS.md's: bf16, Hq 32, Hkv 8, D 128, page
@@ -76,6 +77,23 @@ VARIANTS = [
     Variant("page256", "page 256", 32, 8, 128, p=256),
     Variant("fp16", "fp16", 32, 8, 128, dtype="fp16"),
 ]
+
+
+def parse_wg_tiles(specs: list[str]) -> dict[int, tuple[int, int]]:
+    """--wg-tile W=BNxSTAGES (repeatable): the wgmma prefill tile of padded row width W (attention.WG_TILE's key)."""
+    tiles = {}
+    for spec in specs:
+        try:
+            width, tile = spec.split("=")
+            bn, stages = (int(x) for x in tile.split("x"))
+            width = int(width)
+        except ValueError:
+            raise SystemExit(f"--wg-tile: expected like 64=192x4, got {spec!r}") from None
+        if width not in attention.WG_TILE or bn % 16 or not 16 <= bn <= 256 or stages < 1:
+            raise SystemExit(f"--wg-tile {spec}: width one of {sorted(attention.WG_TILE)}, positions a multiple of 16 "
+                             "up to 256 (a wgmma n), at least one stage")
+        tiles[width] = (bn, stages)
+    return tiles
 
 
 def launched_ops(v: Variant) -> tuple[ir.PagedAttention, int, ir.PagedAttention]:
@@ -188,6 +206,9 @@ def report(meta: dict, out_dir: Path, stem: str, before: dict | None = None) -> 
         md += f"![ours / SDPA per variant]({stem}.png)\n\n"
     if before:
         md += f"Dotted lines: the ratio in {before.get('label', 'an earlier run')}.\n\n"
+    if meta.get("wg_tile"):
+        md += "Hopper prefill tiles changed for this run (row width: positions x stages): " + \
+            ", ".join(f"{w}: {t}" for w, t in meta["wg_tile"].items()) + ".\n\n"
     md += (f"Copy ceiling {meta['copy_gbps']:.0f} GB/s. Ours at the split count paged_attention() picks; SDPA on "
            f"contiguous copies of the same K/V, timed interleaved.\n\n{table(meta['rows'])}\n")
     (out_dir / f"{stem}.md").write_text(md)
@@ -201,6 +222,8 @@ def main():
     ap.add_argument("--rerender", metavar="JSON", help="rewrite a run's table and chart into --out (no GPU)")
     ap.add_argument("--out", default=None, help="with --rerender: the folder (default: the JSON's)")
     ap.add_argument("--before", metavar="JSON", help="with --rerender: an earlier run, drawn as dotted lines")
+    ap.add_argument("--wg-tile", action="append", default=[], metavar="W=BNxST",
+                    help="a Hopper prefill tile instead of attention.WG_TILE's (row width W: 64, 128, 256)")
     args = ap.parse_args()
     if args.rerender:
         src = Path(args.rerender)
@@ -214,10 +237,12 @@ def main():
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}")
     variants = [v for v in VARIANTS if not wanted or v.name in wanted]
+    wg_tiles = parse_wg_tiles(args.wg_tile)
+    attention.WG_TILE.update(wg_tiles)
     build_all(variants)
     gen = torch.Generator(device="cuda").manual_seed(0)
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_gbps=copy_ceiling_gbps()[0],
-                rows=[])
+                rows=[], **({"wg_tile": {str(w): f"{bn}x{st}" for w, (bn, st) in wg_tiles.items()}} if wg_tiles else {}))
     ab.spin_up_clocks()
     bad = 0
     for v in variants:

@@ -191,3 +191,20 @@ def test_variant_sweep_rerenders_a_run_and_times_the_launched_ops(tmp_path, monk
         assert splits == attention.launch_splits(v.op(), sweep.DECODE_B, sweep.DECODE_B, v.decode_len())
         assert v.decode_len() % v.p == 0 and prefill.item_queue == attention.uses_wgmma(prefill)
     assert all(attention.uses_wgmma(sweep.launched_ops(v)[2]) for v in sweep.VARIANTS)  # page 1 included
+
+
+def test_variant_sweep_takes_another_wgmma_tile(monkeypatch, tmp_path):
+    """--wg-tile W=BNxST overrides attention.WG_TILE for a run (a next tile to measure, e.g. D 64 at 192 positions),
+    refuses a malformed or impossible one, and the report says which tiles ran."""
+    import json
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    sweep = importlib.import_module("variant_sweep")
+    assert sweep.parse_wg_tiles(["64=192x4", "128=128x2"]) == {64: (192, 4), 128: (128, 2)}
+    for bad in ("64=192", "96=128x2", "64=200x2", "64=272x2", "64=128x0"):
+        with pytest.raises(SystemExit):
+            sweep.parse_wg_tiles([bad])
+    meta = json.loads((BENCH / "results" / "variants-2026-12-01-s13.json").read_text())
+    meta["wg_tile"] = {"64": "192x4"}
+    assert "Hopper prefill tiles changed for this run (row width: positions x stages): 64: 192x4." in \
+        sweep.report(meta, tmp_path, "v")
