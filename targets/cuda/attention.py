@@ -42,6 +42,7 @@ BLOCK_SMEM_OF = {"sm_80": 163 * 1024, "sm_87": 163 * 1024, "sm_86": 99 * 1024, "
 BLOCK_SMEM = 227 * 1024  # sm_90
 
 
+@functools.lru_cache(maxsize=None)  # asked on every paged_attention() call; a refusal raises and is not kept
 def check_fits(op: ir.PagedAttention, arch: str) -> None:
     """IRError where the op's blocks need more shared memory than one block of arch may take, which a launch would
     otherwise report as a bare CUDA error (D 256 on an A100: 165 KB against 163)."""
