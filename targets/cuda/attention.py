@@ -6,8 +6,8 @@
 One template (templates/cuda/paged_attention.cu.j2) serves decode tokens, prefill chunks
 and mixed ubatches in one launch; `template_context(op, arch)` is its context builder (render.py
 calls it). On Hopper (sm_90) prefill tiles of 16-bit KV with head_dim 64, 80, 96, 128 or 256 (80 and
-96 padded to 128 columns in shared memory: wgmma_width) and pages of 8+ positions run on wgmma with
-TMA loads (templates/cuda/attention_wgmma.cuh.j2, built for sm_90a); everything else runs the mma.sync path, which every arch from sm_80 has. With num_splits > 1 the kernel writes split-KV
+96 padded to 128 columns in shared memory: wgmma_width) run on wgmma with TMA loads (pages under 8
+positions: cp.async from the producer warps) (templates/cuda/attention_wgmma.cuh.j2, built for sm_90a); everything else runs the mma.sync path, which every arch from sm_80 has. With num_splits > 1 the kernel writes split-KV
 partials, and with fused_merge (what `paged_attention()` builds) the last split of each (token,
 KV head) merges them in the same launch (`fused_merge=False`: merge_state, the plumbing template,
 as a second launch); `paged_attention()` picks the split count from the shapes alone (so a CUDA
@@ -35,27 +35,11 @@ FULL_WAVE = 0.9  # prefill: items covering this share of the resident block slot
 WAVE_FILL_SLACK = 0.05  # decode: the fewest splits whose waves are within this of the best fill
 MANY_WAVES = 4  # decode: items filling this many waves already leave little idle at the end
 SMEM_PER_SM = 228 * 1024  # H100 / H200 (sm_90); 1 KB of it is reserved per block
-SMEM_PER_SM_OF = {"sm_80": 164 * 1024, "sm_87": 164 * 1024, "sm_86": 100 * 1024, "sm_89": 100 * 1024}  # A100, Orin; GA10x, Ada
-
-
-BLOCK_SMEM_OF = {"sm_80": 163 * 1024, "sm_87": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024}  # a block's opt-in max
+# shared memory of an SM and a block's opt-in maximum, by arch (the CUDA programming guide's table): A100 and Orin;
+# GA10x and Ada; anything else (sm_90 and newer data-centre parts) the H100's
+SMEM_OF = {"sm_80": (164 * 1024, 163 * 1024), "sm_87": (164 * 1024, 163 * 1024),
+           "sm_86": (100 * 1024, 99 * 1024), "sm_89": (100 * 1024, 99 * 1024)}
 BLOCK_SMEM = 227 * 1024  # sm_90
-
-
-@functools.lru_cache(maxsize=None)  # asked on every paged_attention() call; a refusal raises and is not kept
-def check_fits(op: ir.PagedAttention, arch: str) -> None:
-    """IRError where the op's blocks need more shared memory than one block of arch may take, which a launch would
-    otherwise report as a bare CUDA error (D 256 on an A100: 165 KB against 163)."""
-    need, limit = layout(op, arch).smem_bytes, BLOCK_SMEM_OF.get(arch, BLOCK_SMEM)
-    if need > limit:
-        raise IRError("paged_attention.head_dim",
-                      f"this variant's blocks take {need / 1024:.0f} KB of shared memory; an {arch} block at most "
-                      f"{limit // 1024} KB (head_dim {op.head_dim}, {op.kv_dtype} KV)")
-
-
-def smem_per_sm(arch: str) -> int:
-    """Shared memory of one SM of arch (the CUDA programming guide's table; sm_90 and newer data-centre parts: 228 KB)."""
-    return SMEM_PER_SM_OF.get(arch, SMEM_PER_SM)
 H200_SMS = 132
 
 
@@ -104,6 +88,22 @@ def check(op: ir.PagedAttention) -> None:
                       f"the CUDA template needs num_q_heads / num_kv_heads <= 16, got {op.group_size}")
     if op.variant == "unified_masked" and op.num_splits != 1:
         raise IRError("paged_attention.num_splits", f"unified_masked is built with num_splits=1, got {op.num_splits}")
+
+
+def smem_per_sm(arch: str) -> int:
+    """Shared memory of one SM of arch (SMEM_OF)."""
+    return SMEM_OF.get(arch, (SMEM_PER_SM, BLOCK_SMEM))[0]
+
+
+@functools.lru_cache(maxsize=None)  # asked on every paged_attention() call; a refusal raises and is not kept
+def check_fits(op: ir.PagedAttention, arch: str) -> None:
+    """IRError where the op's blocks need more shared memory than one block of arch may take, which a launch would
+    otherwise report as a bare CUDA error (D 256 on an A100: 165 KB against 163)."""
+    need, limit = layout(op, arch).smem_bytes, SMEM_OF.get(arch, (SMEM_PER_SM, BLOCK_SMEM))[1]
+    if need > limit:
+        raise IRError("paged_attention.head_dim",
+                      f"this variant's blocks take {need / 1024:.0f} KB of shared memory; an {arch} block at most "
+                      f"{limit // 1024} KB (head_dim {op.head_dim}, {op.kv_dtype} KV)")
 
 
 HOPPER_ARCHS = ("sm_90", "sm_90a")
@@ -168,7 +168,7 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
     smem_prefill = stages_wg * 2 * bn_wg * DW * 2 + 2 * 64 * DW * 2 + 1024  # K + V stages, Q of 2 x 64 rows, alignment
     groups = warps // WARPS
     return Layout(bn_prefill, mt_prefill, kv_rows, stages, max(groups * smem, smem_prefill), min_blocks=1, warps=warps,
-                  wgmma=True, bn_wg=bn_wg, stages_wg=stages_wg, smem_prefill=smem_prefill)
+                  wgmma=True, bn_wg=bn_wg, stages_wg=stages_wg, smem_prefill=smem_prefill, sm_smem=smem_per_sm(arch))
 
 
 def dynamic_prefill(op: ir.PagedAttention, arch: str = "sm_90") -> bool:
