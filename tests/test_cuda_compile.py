@@ -535,24 +535,29 @@ def test_decode_steps_launch_the_decode_only_op():
     assert attention.choose_splits(quant.replace(decode_only=False), 8, 8, 16384) == 4
 
 
-def test_q_l2_prefetch_only_for_rows_of_a_kilobyte(tmp_path):
-    """The Hopper V producer prefetches an item's Q rows into L2 (cp.async.bulk.prefetch.L2, one a token) only where
-    a token's G heads take >= UA_Q_PREFETCH_MIN (1024) bytes: MHA's 128 prefetches of 256 B an item delayed the V
-    tiles behind them (bench/NOTES-attention.md, session 12). Checked in the PTX nvcc emits."""
+def _launched_ptx(op, tmp_path, *extra) -> str:
+    """The sm_90a PTX nvcc emits for the one-split op paged_attention() launches for op (extra: nvcc flags)."""
     import subprocess
 
     from uacompile.targets.cuda import attention
     from uacompile.targets.cuda.build import nvcc_flags, nvcc_path
     from uacompile.targets.cuda.render import render_op
 
+    src = render_op(attention.launched_op(op, 1), "sm_90")
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    flags = [f for f in nvcc_flags("sm_90", src) if f != "-shared" and not f.startswith("-gencode")]
+    subprocess.run([nvcc_path(), *flags, *extra, "-arch=sm_90a", "-ptx", "-o", str(tmp_path / "k.ptx"), str(cu)],
+                   check=True, capture_output=True)
+    return (tmp_path / "k.ptx").read_text()
+
+
+def test_q_l2_prefetch_only_for_rows_of_a_kilobyte(tmp_path):
+    """The Hopper V producer prefetches an item's Q rows into L2 (cp.async.bulk.prefetch.L2, one a token) only where
+    a token's G heads take >= UA_Q_PREFETCH_MIN (1024) bytes: MHA's 128 prefetches of 256 B an item delayed the V
+    tiles behind them (bench/NOTES-attention.md, session 12). Checked in the PTX nvcc emits."""
     def prefetches(op) -> int:
-        src = render_op(attention.launched_op(op, 1), "sm_90")
-        cu = tmp_path / "k.cu"
-        cu.write_text(src)
-        flags = [f for f in nvcc_flags("sm_90", src) if f != "-shared" and not f.startswith("-gencode")]
-        subprocess.run([nvcc_path(), *flags, "-arch=sm_90a", "-ptx", "-o", str(tmp_path / "k.ptx"), str(cu)],
-                       check=True, capture_output=True)
-        return (tmp_path / "k.ptx").read_text().count("cp.async.bulk.prefetch.L2")
+        return _launched_ptx(op, tmp_path).count("cp.async.bulk.prefetch.L2")
 
     assert prefetches(PA(32, 8, 128, 16, "bf16", "bf16")) > 0  # G 4 x D 128 x 2 B = 1 KB a token
     assert prefetches(PA(32, 32, 128, 16, "bf16", "bf16")) == 0  # MHA: 256 B
@@ -564,20 +569,11 @@ def test_small_pages_take_the_cp_async_producer_unserialised(tmp_path, monkeypat
     stage's full barrier after its copies, the consumers fence the generic-proxy writes before wgmma reads them,
     and no K/V tensor copy is left; page 16 keeps TMA, and -DUA_CP_PRODUCER_BELOW=1 gives page 1 TMA boxes back.
     The launched page-1 ops (one split, fused split-KV) build without serialised wgmma."""
-    import subprocess
-
     from uacompile.targets.cuda import attention
-    from uacompile.targets.cuda.build import build, nvcc_flags, nvcc_path
-    from uacompile.targets.cuda.render import render_op
+    from uacompile.targets.cuda.build import build
 
     def ptx(op, *extra) -> str:
-        src = render_op(attention.launched_op(op, 1), "sm_90")
-        cu = tmp_path / "k.cu"
-        cu.write_text(src)
-        flags = [f for f in nvcc_flags("sm_90", src) if f != "-shared" and not f.startswith("-gencode")]
-        subprocess.run([nvcc_path(), *flags, *extra, "-arch=sm_90a", "-ptx", "-o", str(tmp_path / "k.ptx"), str(cu)],
-                       check=True, capture_output=True)
-        return (tmp_path / "k.ptx").read_text()
+        return _launched_ptx(op, tmp_path, *extra)
 
     page1 = PA(32, 8, 128, 1, "bf16", "bf16")
     assert attention.uses_wgmma(page1)
