@@ -73,6 +73,7 @@ VARIANTS = [
     Variant("d256", "Gemma-2-9B", 16, 8, 256),
     Variant("page1", "page 1", 32, 8, 128, p=1),
     Variant("page4", "page 4", 32, 8, 128, p=4),
+    Variant("d64page1", "TinyLlama-1.1B, page 1", 32, 4, 64, p=1),
     Variant("page64", "page 64", 32, 8, 128, p=64),
     Variant("page256", "page 256", 32, 8, 128, p=256),
     Variant("fp16", "fp16", 32, 8, 128, dtype="fp16"),

@@ -395,17 +395,18 @@ def test_benchmark_launches_keep_wgmma_unserialised(tmp_path, monkeypatch):
 
 # The census' worst cases (bench/wgmma_census.py; bench/results/wgmma-census-2026-11-30.md): before v37, ptxas
 # serialised their wgmmas (C7511) in every code shape, so build() kept a serialised kernel (0.72x prefill): the
-# benchmarks' config at 8 and 24 splits, and a GPU-test config (D 64, fp16) at one split
+# benchmarks' config at 8 and 24 splits, and a GPU-test config (D 64, fp16) at one split; and the benchmarks' 1-split op
 WGMMA_WORST = [(PA(32, 8, 128, 16, "bf16", "bf16"), 8), (PA(32, 8, 128, 16, "bf16", "bf16"), 24),
-               (PA(16, 4, 64, 16, "fp16", "fp16"), 1)]
+               (PA(16, 4, 64, 16, "fp16", "fp16"), 1), (PA(32, 8, 128, 16, "bf16", "bf16"), 1)]
 
 
 def test_census_worst_cases_keep_wgmma_unserialised_in_code_shape_0(tmp_path, monkeypatch):
     """The half-wide last tile's scores in registers of their own (bench/NOTES-attention.md v37): the launched ops
     that ptxas serialised in every code shape build unserialised in shape 0, which build() keeps; with
-    -DUA_PREFILL_HALF_OWN=0 (the scores in the first half of s) the D 64 op serialises again in shape 0, so this
-    test sees what it guards. (Which ops serialise without v37 moves with small changes elsewhere in the kernel:
-    session 13's producer change unserialised the 8-split op and serialised the 1-split one.)"""
+    -DUA_PREFILL_HALF_OWN=0 (the scores in the first half of s) the benchmarks' 1-split op serialises again in
+    every shape, so this test sees what it guards. (Which other ops serialise without v37 moves with small changes
+    elsewhere: session 13's producer change unserialised the 8-split op, session 14's D 64 tile of 192 positions
+    the D 64 one.)"""
     from uacompile.targets.cuda import attention
     from uacompile.targets.cuda.build import build
 
@@ -415,9 +416,9 @@ def test_census_worst_cases_keep_wgmma_unserialised_in_code_shape_0(tmp_path, mo
     assert not [w for w in rec["warnings"] if "wgmma" in w], rec["attempts"]
     assert set(rec["code_shapes"].values()) == {0}, rec["attempts"]
     monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_HALF_OWN=0")
-    rec = json.loads((build(ops[2], "sm_90").path.parent / "build.json").read_text())
-    shape0 = [a for a in rec["attempts"] if a["shapes"] == {ops[2].symbol(): 0}]
-    assert shape0 and shape0[0]["serialised"] == [ops[2].symbol()], rec["attempts"]
+    rec = json.loads((build(ops[3], "sm_90").path.parent / "build.json").read_text())
+    shape0 = [a for a in rec["attempts"] if a["shapes"] == {ops[3].symbol(): 0}]
+    assert shape0 and shape0[0]["serialised"] == [ops[3].symbol()], rec["attempts"]
 
 
 def test_serialised_kernels_names_the_ops():
@@ -604,13 +605,48 @@ def test_blocks_an_sm_follow_the_arch_shared_memory():
 
 def test_a_variant_beyond_the_arch_block_smem_is_refused_clearly():
     """paged_attention() refuses, before launching, a variant whose blocks need more shared memory than the device's
-    arch gives one block (CUDA would fail the launch with a bare error): D 256 takes 165 KB on the mma.sync path,
-    which an A100 (163 KB a block) cannot hold; Hopper's 227 KB hold it and D 128 fits both."""
+    arch gives one block even at one cp.async stage (CUDA would fail the launch with a bare error): D 256 on GA10x /
+    Ada (99 KB a block) takes 99 KB of tiles and Q plus the static variables. Hopper and the A100 hold it."""
     from uacompile.errors import IRError
     from uacompile.targets.cuda import attention
 
     d256, d128 = (PA(16, 8, d, 16, "bf16", "bf16") for d in (256, 128))
-    with pytest.raises(IRError, match="165 KB of shared memory; an sm_80 block at most 163 KB"):
-        attention.check_fits(d256, "sm_80")
-    attention.check_fits(d256, "sm_90")
-    attention.check_fits(d128, "sm_80")
+    with pytest.raises(IRError, match="99 KB of shared memory; an sm_86 block at most 98 KB"):
+        attention.check_fits(d256, "sm_86")
+    for op, arch in ((d256, "sm_90"), (d256, "sm_80"), (d128, "sm_80"), (d128, "sm_86")):
+        attention.check_fits(op, arch)
+
+
+SMALL_SMEM_OPS = {  # arch: ops whose two-stage layout exceeds its block (tests/test_cuda_small_smem_gpu.py runs them)
+    "sm_80": [PA(8, 2, 256, 16, "bf16", "bf16", return_lse=True), PA(8, 4, 256, 16, "fp16", "int8", window=900),
+              PA(8, 2, 256, 16, "bf16", "bf16", return_lse=True, decode_only=True)],
+    "sm_86": [PA(16, 4, 128, 16, "bf16", "bf16", return_lse=True), PA(16, 4, 128, 8, "fp16", "fp8_e4m3", softcap=20.0)],
+}
+
+
+@pytest.mark.parametrize("arch", list(SMALL_SMEM_OPS))
+def test_smaller_gpus_take_fewer_stages_and_fit(arch, tmp_path):
+    """attention.layout drops cp.async stages until a block fits the arch (A100: D 256, 165 KB at two stages;
+    GA10x / Ada: D 128, 102 KB), where Hopper's layouts keep theirs; ptxas' static shared memory of the built
+    kernels stays within the STATIC_SMEM the layout leaves for it."""
+    import re
+    import subprocess
+
+    from uacompile.targets.cuda import attention
+    from uacompile.targets.cuda.build import nvcc_flags, nvcc_path
+    from uacompile.targets.cuda.render import render_op
+
+    ops = SMALL_SMEM_OPS[arch]
+    for op in ops:
+        lay, two = attention.layout(op, arch), attention._layout(op, arch, 2)
+        assert lay.stages < two.stages and two.smem_bytes > attention.block_smem(arch) >= lay.smem_bytes, (op, lay)
+    assert [attention.layout(op, "sm_90").stages for op in ops] == ([1, 2, 2] if arch == "sm_80" else [2, 2])
+    cu = tmp_path / "k.cu"
+    src = "\n".join(render_op(op, arch) for op in ops)
+    cu.write_text(src)
+    flags = [f for f in nvcc_flags(arch, src) if f != "-shared"]
+    res = subprocess.run([nvcc_path(), *flags, "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(cu)],
+                         check=True, capture_output=True, text=True)
+    used = [line for line in (res.stdout + res.stderr).splitlines() if re.search(r"Used \d+ registers", line)]
+    static = [int(m[1]) if (m := re.search(r"(\d+) bytes smem", line)) else 0 for line in used]
+    assert len(static) == len(ops) and max(static) <= attention.STATIC_SMEM, used

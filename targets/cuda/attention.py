@@ -25,8 +25,9 @@ TEMPLATE = "cuda/paged_attention.cu.j2"
 WARPS = 4  # warps of a decode group, and of a block on the mma.sync path
 WG_WARPS = 8  # consumer warps of a block on the wgmma path (+ a producer warpgroup): two warpgroups share each K/V tile; two decode groups
 # wgmma tiles by the padded width (wgmma_width): (K/V positions per tile, TMA stages); the stages fill the
-# shared memory that the 8-warp decode blocks of the same kernel take anyway
-WG_TILE = {128: (128, 3), 64: (128, 6), 256: (64, 2)}
+# shared memory that the 8-warp decode blocks of the same kernel take anyway. D 64: 192 positions halve the per-tile
+# barriers and row reductions a position against 128 (H200, session 14, 4x4096 causal: 0.81x -> 0.86x SDPA)
+WG_TILE = {128: (128, 3), 64: (192, 4), 256: (64, 2)}
 WG_HEAD_DIMS = (64, 80, 96, 128, 256)  # head dims on the wgmma path (80 and 96 padded to 128 columns)
 DECODE_TILE = 16  # K/V positions per warp tile in decode blocks
 MIN_SPLIT_LEN = 256  # a split shorter than this spends more on its merge than it gains
@@ -40,6 +41,7 @@ SMEM_PER_SM = 228 * 1024  # H100 / H200 (sm_90); 1 KB of it is reserved per bloc
 SMEM_OF = {"sm_80": (164 * 1024, 163 * 1024), "sm_87": (164 * 1024, 163 * 1024),
            "sm_86": (100 * 1024, 99 * 1024), "sm_89": (100 * 1024, 99 * 1024)}
 BLOCK_SMEM = 227 * 1024  # sm_90
+STATIC_SMEM = 1024  # the template's static __shared__ (merge flags, range_smem, timeline pointers): < 256 bytes
 H200_SMS = 132
 
 
@@ -95,15 +97,21 @@ def smem_per_sm(arch: str) -> int:
     return SMEM_OF.get(arch, (SMEM_PER_SM, BLOCK_SMEM))[0]
 
 
+def block_smem(arch: str) -> int:
+    """The most dynamic shared memory one block of arch may take (SMEM_OF), less STATIC_SMEM for the template's
+    static __shared__ variables."""
+    return SMEM_OF.get(arch, (SMEM_PER_SM, BLOCK_SMEM))[1] - STATIC_SMEM
+
+
 @functools.lru_cache(maxsize=None)  # asked on every paged_attention() call; a refusal raises and is not kept
 def check_fits(op: ir.PagedAttention, arch: str) -> None:
-    """IRError where the op's blocks need more shared memory than one block of arch may take, which a launch would
-    otherwise report as a bare CUDA error (D 256 on an A100: 165 KB against 163)."""
-    need, limit = layout(op, arch).smem_bytes, SMEM_OF.get(arch, (SMEM_PER_SM, BLOCK_SMEM))[1]
+    """IRError where the op's blocks need more shared memory than one block of arch may take even at one cp.async
+    stage (layout), which a launch would otherwise report as a bare CUDA error."""
+    need, limit = layout(op, arch).smem_bytes, block_smem(arch)
     if need > limit:
         raise IRError("paged_attention.head_dim",
                       f"this variant's blocks take {need / 1024:.0f} KB of shared memory; an {arch} block at most "
-                      f"{limit // 1024} KB (head_dim {op.head_dim}, {op.kv_dtype} KV)")
+                      f"{limit / 1024:.0f} KB (head_dim {op.head_dim}, {op.kv_dtype} KV, one cp.async stage)")
 
 
 HOPPER_ARCHS = ("sm_90", "sm_90a")
@@ -126,6 +134,18 @@ def wgmma_width(head_dim: int) -> int:
 
 
 def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
+    """The variant's tiles and shared memory on arch. Where a block would not fit the arch (A100: D 256, 165 KB
+    against 163; GA10x / Ada: D 128, 102 KB against 99), fewer cp.async stages. Decode-only kernels keep the Q
+    region as one more (DEC_QSTAGE) and prefill tiles share a stage two at a time, so both still stream 2 tiles
+    deep; a mixed kernel's decode tokens stream 1 deep there."""
+    for stage_cap in (3, 2, 1):
+        lay = _layout(op, arch, stage_cap)
+        if lay.smem_bytes <= block_smem(arch):
+            break
+    return lay
+
+
+def _layout(op: ir.PagedAttention, arch: str, stage_cap: int) -> Layout:
     D = op.head_dim
     wgmma = uses_wgmma(op, arch)
     warps = WG_WARPS if wgmma else WARPS
@@ -149,6 +169,9 @@ def layout(op: ir.PagedAttention, arch: str = "sm_90") -> Layout:
             tiles = 0 if D == 64 or D % 128 == 0 else 2 * tile  # else dequant_tile's converted pair
         else:
             mt_prefill = 2
+    stages = min(stages, stage_cap)
+    if not op.quantized:
+        tiles = 2 * stages * tile
     q_bytes = WARPS * 16 * mt_prefill * (D + 8) * 2  # resident Q rows (decode: its third K/V stage)
     combine = WARPS * 16 * (D + 4) * 4 + 2 * WARPS * 16 * 4
     smem = max(tiles + stages * raw_stage + q_bytes, combine)
