@@ -41,7 +41,7 @@ SMEM_PER_SM = 228 * 1024  # H100 / H200 (sm_90); 1 KB of it is reserved per bloc
 SMEM_OF = {"sm_80": (164 * 1024, 163 * 1024), "sm_87": (164 * 1024, 163 * 1024),
            "sm_86": (100 * 1024, 99 * 1024), "sm_89": (100 * 1024, 99 * 1024)}
 BLOCK_SMEM = 227 * 1024  # sm_90
-STATIC_SMEM = 1024  # the template's static __shared__ (merge flags, range_smem, timeline pointers): < 256 bytes
+STATIC_SMEM = 1024  # the template's static __shared__ (merge flags, range_smem, mbarriers): ptxas says 256-512 bytes
 H200_SMS = 132
 
 
@@ -155,7 +155,7 @@ def _layout(op: ir.PagedAttention, arch: str, stage_cap: int) -> Layout:
     # the Q region, a second stage for decode warps: DEC_QSTAGE)
     stages = 1 if wgmma and D > 128 else 2
     tile = kv_rows * (D + 8) * 2
-    tiles = (2 if op.quantized else 2 * stages) * tile
+    quant_tiles = 2 * tile  # quantised KV: one converted K + V pair
     raw_stage = 2 * kv_rows * (D + 4) if op.quantized else 0
     mt_prefill = 2 if D <= 128 else 1  # 32 rows a warp halve smem reads per mma; D=256 lacks the registers
     min_blocks = 2 if D <= 128 else 1
@@ -166,12 +166,11 @@ def _layout(op: ir.PagedAttention, arch: str, stage_cap: int) -> Layout:
         # raw stage and a third block an SM (the mixed kernel's prefill path holds it at 255 registers, 2 blocks).
         if op.quantized:
             stages, mt_prefill, min_blocks = 3, 1, 3 if D <= 128 else 2
-            tiles = 0 if D == 64 or D % 128 == 0 else 2 * tile  # else dequant_tile's converted pair
+            quant_tiles = 0 if D == 64 or D % 128 == 0 else 2 * tile  # else dequant_tile's converted pair
         else:
             mt_prefill = 2
-    stages = min(stages, stage_cap)
-    if not op.quantized:
-        tiles = 2 * stages * tile
+    stages = min(stages, stage_cap)  # a smaller arch's block (layout)
+    tiles = quant_tiles if op.quantized else 2 * stages * tile
     q_bytes = WARPS * 16 * mt_prefill * (D + 8) * 2  # resident Q rows (decode: its third K/V stage)
     combine = WARPS * 16 * (D + 4) * 4 + 2 * WARPS * 16 * 4
     smem = max(tiles + stages * raw_stage + q_bytes, combine)
