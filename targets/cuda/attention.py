@@ -92,15 +92,20 @@ def check(op: ir.PagedAttention) -> None:
         raise IRError("paged_attention.num_splits", f"unified_masked is built with num_splits=1, got {op.num_splits}")
 
 
+def _smem_of(arch: str) -> tuple[int, int]:
+    """(an SM's shared memory, a block's opt-in maximum) of arch: SMEM_OF, else the H100's."""
+    return SMEM_OF.get(arch, (SMEM_PER_SM, BLOCK_SMEM))
+
+
 def smem_per_sm(arch: str) -> int:
     """Shared memory of one SM of arch (SMEM_OF)."""
-    return SMEM_OF.get(arch, (SMEM_PER_SM, BLOCK_SMEM))[0]
+    return _smem_of(arch)[0]
 
 
 def block_smem(arch: str) -> int:
     """The most dynamic shared memory one block of arch may take (SMEM_OF), less STATIC_SMEM for the template's
     static __shared__ variables."""
-    return SMEM_OF.get(arch, (SMEM_PER_SM, BLOCK_SMEM))[1] - STATIC_SMEM
+    return _smem_of(arch)[1] - STATIC_SMEM
 
 
 @functools.lru_cache(maxsize=None)  # asked on every paged_attention() call; a refusal raises and is not kept
@@ -464,11 +469,10 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
     if page_table.dim() != 2:
         raise ValueError(f"page_table must be [num_seqs, max_pages], got shape {tuple(page_table.shape)}")
     T, S = q.shape[0], page_table.shape[0]
-    design = design or design_of()
+    arch, design = _arch(q.device), design or design_of()
     decode_only = decode_launch(T, S, design)
     if num_splits is None:
-        num_splits = launch_splits(op, T, S, page_table.shape[1] * op.page_size, _num_sms(q.device), _arch(q.device),
-                                   design)
+        num_splits = launch_splits(op, T, S, page_table.shape[1] * op.page_size, _num_sms(q.device), arch, design)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq, page_table=page_table,
@@ -483,8 +487,8 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
         lse = torch.empty((T, op.num_q_heads), dtype=torch.float32, device=q.device)
     extra = dict(out=out, lse=lse) if op.return_lse else dict(out=out)
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    run = launched_op(op, num_splits, fused_merge, _arch(q.device), design, decode_only)
-    check_fits(run, _arch(q.device))
+    run = launched_op(op, num_splits, fused_merge, arch, design, decode_only)
+    check_fits(run, arch)
     if run.item_queue:
         tensors["item_queue"] = _item_queue(q.device, stream)
     if num_splits > 1:  # this stream's partials workspace
