@@ -309,13 +309,10 @@ def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None
     # build every variant the rows use, in parallel, before any timing
     from concurrent.futures import ThreadPoolExecutor
 
-    only = attention.decode_launch(1, 1)  # the decode rows' kernel: decode-only unless the design says mixed
-    ops = [attention.launched_op(op_of(), 1, decode_only=only), op_of(variant="unified_masked")]
     sweep = () if quick else (1, 2, 4, 8, 16, 32, 48)
-    for B, L in DECODE_SHAPES:
-        for s in {attention.launch_splits(op_of(), B, B, L), *sweep}:
-            if s > 1:
-                ops.append(attention.launched_op(op_of(), s, decode_only=only))  # what paged_attention() launches
+    # what paged_attention() launches for each decode row: at its auto split (None), one split and the swept ones
+    ops = list(dict.fromkeys([op_of(variant="unified_masked"), *(
+        attention.launch_plan(op_of(), B, B, L, num_splits=s)[0] for B, L in DECODE_SHAPES for s in (None, 1, *sweep))]))
     with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
         list(pool.map(api.kernel, ops))
     log(f"# built {len(ops)} attention variants in {time.perf_counter() - t0:.1f} s")

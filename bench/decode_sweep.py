@@ -70,10 +70,10 @@ CANDIDATE_SHAPES = [(1, 32768), (1, 4096), (8, 16384), (32, 4096), (128, 1024)]
 CANDIDATE_QUANT_SHAPES = [(kv, B, L) for kv in ("int8", "fp8_e4m3") for B, L in [(8, 16384), (1, 32768)]]
 
 
-def auto_splits(op, B: int, L: int, design: dict | None = None) -> int:
+def auto_splits(op, B: int, L: int) -> int:
     """What paged_attention() picks on this device for B decode tokens at context L (on the decode-only
     kernel's layout unless the design's decode knob says mixed)."""
-    return attention.launch_splits(op, B, B, L, attention._num_sms(0), attention._arch(0), design)
+    return attention.launch_splits(op, B, B, L, attention._num_sms(0), attention._arch(0))
 
 
 def unit_slots(op) -> int:
@@ -243,10 +243,8 @@ def candidate_ops(shapes, quant_shapes=(), design: dict | None = None) -> dict:
     out = {}
     design = design or attention.design_of("")
     for kv, B, L in [(ab.op_of().kv_dtype, B, L) for B, L in shapes] + list(quant_shapes):
-        op = ab.op_of().replace(kv_dtype=kv)
-        s = auto_splits(op, B, L, design)
-        out[(kv, B, L)] = (attention.launched_op(op, s, arch=attention._arch(0), design=design,
-                                                 decode_only=attention.decode_launch(B, B, design)), s)
+        out[(kv, B, L)] = attention.launch_plan(ab.op_of().replace(kv_dtype=kv), B, B, L, num_sms=attention._num_sms(0),
+                                                arch=attention._arch(0), design=design)
     return out
 
 

@@ -256,12 +256,10 @@ def headline(r: dict, samples: int) -> str:
 def production_op(B: int, L: int):
     """(op, splits): what paged_attention() launches for B decode tokens at context L on this GPU."""
     import attention_bench as ab
-    import decode_sweep as ds
 
     from uacompile.targets.cuda import attention
 
-    splits = ds.auto_splits(ab.op_of(), B, L)
-    return attention.launched_op(ab.op_of(), splits, arch=attention._arch(0), decode_only=attention.decode_launch(B, B)), splits
+    return attention.launch_plan(ab.op_of(), B, B, L, num_sms=attention._num_sms(0), arch=attention._arch(0))
 
 
 def launch(kern, op, splits: int, b) -> None:

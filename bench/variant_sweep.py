@@ -100,10 +100,8 @@ def parse_wg_tiles(specs: list[str]) -> dict[int, tuple[int, int]]:
 def launched_ops(v: Variant) -> tuple[ir.PagedAttention, int, ir.PagedAttention]:
     """(the decode launch's op, its split count, the prefill launch's op), as paged_attention() picks them."""
     op = v.op()
-    L = v.decode_len()
-    splits = attention.launch_splits(op, DECODE_B, DECODE_B, L)
-    decode = attention.launched_op(op, splits, decode_only=attention.decode_launch(DECODE_B, DECODE_B))
-    return decode, splits, attention.launched_op(op, 1)
+    decode, splits = attention.launch_plan(op, DECODE_B, DECODE_B, v.decode_len())
+    return decode, splits, attention.launch_plan(op, PREFILL_B * PREFILL_L, PREFILL_B, PREFILL_L, num_splits=1)[0]
 
 
 def build_all(variants, log=print) -> None:

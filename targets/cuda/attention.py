@@ -428,6 +428,20 @@ def launched_op(op: ir.PagedAttention, num_splits: int, fused_merge: bool = True
     return run.replace(item_queue=design["prefill"] == "dynamic" and uses_wgmma(run, arch))
 
 
+def launch_plan(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_len: int, num_splits: int | None = None,
+                fused_merge: bool = True, num_sms: int = H200_SMS, arch: str = "sm_90",
+                design: dict | None = None) -> tuple[ir.PagedAttention, int]:
+    """(the op paged_attention() launches, its split count) for a launch's shapes: the decode-only kernel for a
+    decode step (decode_launch), launch_splits' count unless num_splits is given, launched_op's fields."""
+    design = design or design_of()
+    if num_splits is None:
+        num_splits = launch_splits(op, num_tokens, num_seqs, max_kv_len, num_sms, arch, design)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    decode_only = decode_launch(num_tokens, num_seqs, design)
+    return launched_op(op, num_splits, fused_merge, arch, design, decode_only), num_splits
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device) -> int:
     import torch
@@ -448,7 +462,7 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
                     fused_merge: bool = True, kernel_of=None, design: dict | None = None):
     """Attention of a ubatch over the paged cache on torch's current stream; returns out
     (and lse when op.return_lse). num_splits=None picks split-KV from the shapes; the
-    split count, item_queue and decode_only of `op` itself are ignored (launched_op says what runs: with
+    split count, item_queue and decode_only of `op` itself are ignored (launch_plan says what runs: with
     UACOMPILE_PA_VARIANT prefill=dynamic, the Hopper path takes the stream's item queue; a launch of at most
     one token a sequence runs the decode_only kernel unless decode=mixed). Tokens may come in any order (a sequence's
     tokens side by side share K/V loads as a prefill tile; a lone token is a decode item).
@@ -469,12 +483,9 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
     if page_table.dim() != 2:
         raise ValueError(f"page_table must be [num_seqs, max_pages], got shape {tuple(page_table.shape)}")
     T, S = q.shape[0], page_table.shape[0]
-    arch, design = _arch(q.device), design or design_of()
-    decode_only = decode_launch(T, S, design)
-    if num_splits is None:
-        num_splits = launch_splits(op, T, S, page_table.shape[1] * op.page_size, _num_sms(q.device), arch, design)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    arch = _arch(q.device)
+    run, num_splits = launch_plan(op, T, S, page_table.shape[1] * op.page_size, num_splits, fused_merge,
+                                  _num_sms(q.device), arch, design)
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq, page_table=page_table,
                    token_kv_len=token_kv_len)
     if op.quantized:
@@ -487,7 +498,6 @@ def paged_attention(op: ir.PagedAttention, q, k_cache, v_cache, token_seq, page_
         lse = torch.empty((T, op.num_q_heads), dtype=torch.float32, device=q.device)
     extra = dict(out=out, lse=lse) if op.return_lse else dict(out=out)
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    run = launched_op(op, num_splits, fused_merge, arch, design, decode_only)
     check_fits(run, arch)
     if run.item_queue:
         tensors["item_queue"] = _item_queue(q.device, stream)
