@@ -7,7 +7,7 @@ targets/cuda/render.py; UACOMPILE_RC_VARIANT is set only in the build worker pro
 the parallel builds do not see each other's knobs). Each candidate is one library holding
 the ops of bench/kernels.py RESHAPE_CASES. For every case and candidate: a correctness run
 on poisoned caches with every 5th slot -1, against the numpy reference (bit for bit; K with
-fused RoPE as tests/test_cuda_gpu.py allows, <= 1e-4 of the written rows, and bit for bit with
+fused RoPE as tests/targets/cuda/test_cuda_api_gpu.py allows, <= 1e-4 of the written rows, and bit for bit with
 the first candidate); for quantised caches a second run with rows outside the fast quantisation
 range (zeros, NaN, Inf, tiny and huge scales, the range's edges), bit for bit with the first
 candidate (the reference leaves NaN rows to numpy's casts). Then all candidates that passed

@@ -1,23 +1,20 @@
 #!/usr/bin/env bash
 # On the device (the `run` tool, carry [".whl"] (bench/fetch_device_wheels.sh) and ".peers" for FlashInfer rows):
 #   bash bench/run_device.sh                      # all GPU tests, then the whole benchmark
-#   UA_GPU_TESTS=tests/test_cuda_gpu.py UA_BENCH_ARGS="--only cache,swap,build" bash bench/run_device.sh
-#   UA_GPU_TESTS=tests/test_cuda_decode_gpu.py UA_BENCH_SCRIPT="bench/decode_sweep.py --extra" bash bench/run_device.sh
+#   UA_GPU_TESTS=tests/targets/cuda/test_cuda_api_gpu.py UA_BENCH_ARGS="--only cache,swap,build" bash bench/run_device.sh
+#   UA_GPU_TESTS=tests/targets/cuda/test_cuda_decode_gpu.py UA_BENCH_SCRIPT="bench/decode_sweep.py --extra" bash bench/run_device.sh
 #   UA_SKIP_TESTS=1 UA_BENCH_SCRIPT="bench/variant_sweep.py" bash bench/run_device.sh   # head dims, GQA, pages (~30 s)
-# Installs the carried wheels (cffi, pycparser, ...), makes the package importable without
-# installing the repo, runs `pytest -m gpu`, then bench/kernels.py; logs, JSON and table go to $OUT.
+# Installs the carried wheels (cffi, pycparser, ...) and the package, runs `pytest -m gpu`, then bench/kernels.py; logs, JSON and table go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ua-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 UACOMPILE_CACHE_DIR=${UACOMPILE_CACHE_DIR:-/tmp/ua-cache}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-# setup.cfg maps runtime/, targets/, templates/ into the one package uacompile; PYTHONPATH alone
-# cannot, so build that package shape from links.
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg/uacompile
-for f in "$PWD"/uacompile/*; do ln -s "$f" /tmp/pkg/uacompile/; done
-for d in runtime targets templates; do ln -s "$PWD/$d" /tmp/pkg/uacompile/$d; done
-# PYTHONSAFEPATH: never put the cwd (the repo root, whose uacompile/ lacks the mapped folders) first
+# install the package itself (setup.cfg maps runtime/, targets/, templates/ into uacompile); no build
+# isolation: the device reaches no index, and its Python has setuptools
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/pkg . || exit 1
+# PYTHONSAFEPATH: the repo root (whose uacompile/ lacks the mapped folders) never shadows the install
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONSAFEPATH=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, uacompile.targets.cuda.api as a; print('torch', torch.__version__, 'api', a.__file__)" || exit 1

@@ -40,7 +40,7 @@ CONFIGS = {
     "fp16-16-4-64-p16": PA(16, 4, 64, 16, "fp16", "fp16"),
     "bf16-32-8-128-p8": PA(32, 8, 128, 8, "bf16", "bf16"),
     "bf16-32-8-128-p32": PA(32, 8, 128, 32, "bf16", "bf16"),
-    # the GPU tests' (tests/test_cuda_wgmma_gpu.py) lse, masked softmax and ALiBi variants
+    # the GPU tests' (tests/targets/cuda/test_cuda_wgmma_gpu.py) lse, masked softmax and ALiBi variants
     "bf16-32-8-128-p16-lse": PA(32, 8, 128, 16, "bf16", "bf16", return_lse=True),
     "bf16-16-2-64-p128-window-softcap": PA(16, 2, 64, 128, "bf16", "bf16", window=300, softcap=15.0),
     "fp16-8-2-128-p16-alibi": PA(8, 2, 128, 16, "fp16", "fp16", alibi=True),

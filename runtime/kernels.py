@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import binding, ir, reference
+from uacompile import binding, ir, reference
 
 TORCH_TO_IR = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 BACKENDS = ("tvm-cpu", "cuda", "reference")
@@ -105,7 +105,7 @@ class TVMCPUBackend(KernelBackend):
     def __init__(self, ops: KernelOps):
         super().__init__(ops)
         try:
-            from ..lower.tvm_build import cpu_kernel
+            from uacompile.lower.tvm_build import cpu_kernel
         except ImportError as e:
             raise NotImplementedError(f"tvm-cpu backend: uacompile.lower.tvm_build is not available ({e})") from None
         self.fns = {op.kind: cpu_kernel(op) for op in (ops.attention, ops.cache_write, ops.copy, ops.swap)}
@@ -123,7 +123,7 @@ class CUDABackend(KernelBackend):
     def __init__(self, ops: KernelOps):
         super().__init__(ops)
         try:
-            from ..targets.cuda import api, attention
+            from uacompile.targets.cuda import api, attention
         except ImportError as e:
             raise NotImplementedError(f"cuda backend: uacompile.targets.cuda is not available ({e})") from None
         attention.check(ops.attention)  # IRError naming the field the CUDA template does not cover

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import binding, ir
+from uacompile import binding, ir
 from .loader import load
 
 # torch dtype -> IR dtype of float / KV tensors (the friendly functions infer ops from them)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ... import ir
-from ...errors import IRError
+from uacompile import ir
+from uacompile.errors import IRError
 
 TEMPLATE = "cuda/paged_attention.cu.j2"
 WARPS = 4  # warps of a decode group, and of a block on the mma.sync path

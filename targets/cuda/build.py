@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from ... import ir
-from ...cache import cache_dir, cached_build, content_hash, toolchain_versions
+from uacompile import ir
+from uacompile.cache import cache_dir, cached_build, content_hash, toolchain_versions
 from .render import code_shapes, needs_sm90a, render_op
 
 # -fno-gnu-unique: static locals of inline/template code (a launcher's "attribute set once" flag)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from ... import ir
+from uacompile import ir
 from .build import BuildResult, build
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import jinja2
 
-from ... import ir
+from uacompile import ir
 
 SM90A_MARKER = "// UA_REQUIRES_SM90A"
 CTYPE = {name: c for name, (_, c, _) in ir.DTYPES.items()}
@@ -31,7 +31,7 @@ CTYPE = {name: c for name, (_, c, _) in ir.DTYPES.items()}
 
 @functools.cache
 def template_dir() -> Path:
-    from ... import templates
+    from uacompile import templates
 
     return Path(templates.__file__).parent
 

@@ -1,7 +1,7 @@
 """GPU: the CUDA cache ops and merge_state against the numpy reference on fresh random
 inputs (cache ops bit-exact, slot -1 included; outputs poisoned first), CUDA-graph capture
 and replay, the current stream, and the call API's error messages. Run on the device:
-`pytest -m gpu tests/test_cuda_gpu.py`."""
+`pytest -m gpu tests/targets/cuda/test_cuda_api_gpu.py`."""
 from __future__ import annotations
 
 import numpy as np
@@ -162,7 +162,7 @@ def _sweep():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
     import reshape_sweep
 
     return reshape_sweep

@@ -18,7 +18,7 @@ import pytest
 from uacompile import ir, testing
 from uacompile.targets.cuda import attention
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[3] / "bench"
 PROBE = "-DUA_DECODE_TIMELINE"
 PA = ir.PagedAttention
 G4 = PA(32, 8, 128, 16, "bf16", "bf16", return_lse=True)

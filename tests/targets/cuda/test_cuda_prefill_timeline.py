@@ -19,7 +19,7 @@ from test_cuda_decode_timeline import probe_build, probe_library
 from uacompile import ir, testing
 from uacompile.targets.cuda import attention
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[3] / "bench"
 PROBE = "-DUA_PREFILL_TIMELINE"
 PA = ir.PagedAttention
 # the benchmarks' launch (one split, the item queue), with lse to check it too

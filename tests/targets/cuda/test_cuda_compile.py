@@ -100,7 +100,7 @@ def _sweep_candidates() -> dict:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
     import reshape_sweep
 
     return reshape_sweep.CANDIDATES
@@ -617,7 +617,7 @@ def test_a_variant_beyond_the_arch_block_smem_is_refused_clearly():
         attention.check_fits(op, arch)
 
 
-SMALL_SMEM_OPS = {  # arch: ops whose two-stage layout exceeds its block (tests/test_cuda_small_smem_gpu.py runs them)
+SMALL_SMEM_OPS = {  # arch: ops whose two-stage layout exceeds its block (tests/targets/cuda/test_cuda_small_smem_gpu.py runs them)
     "sm_80": [PA(8, 2, 256, 16, "bf16", "bf16", return_lse=True), PA(8, 4, 256, 16, "fp16", "int8", window=900),
               PA(8, 2, 256, 16, "bf16", "bf16", return_lse=True, decode_only=True)],
     "sm_86": [PA(16, 4, 128, 16, "bf16", "bf16", return_lse=True), PA(16, 4, 128, 8, "fp16", "fp8_e4m3", softcap=20.0)],

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if "__main__" in p.read_text())  # timing.py is a module
 
 
