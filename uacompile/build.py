@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import IRError
-from .ir import CopyBlocks, MergeState, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks
+from .ir import CopyBlocks, Kernel, MergeState, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks, as_kernel
 
 
 @dataclass(frozen=True)
@@ -28,15 +28,19 @@ class ModelShape:
     decode_splits: int = 8  # split-KV partial variant + its merge_state
 
     def ops(self) -> list[OpSpec]:
+        """The model's ops (the math)."""
         Hq, Hkv, D, P, dt = self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype
         return [
             PagedAttention(Hq, Hkv, D, P, dt, dt),
-            PagedAttention(Hq, Hkv, D, P, dt, dt, num_splits=self.decode_splits),
             MergeState(Hq, D, self.decode_splits, dt),
             ReshapeAndCache(Hkv, D, P, dt, dt),
             CopyBlocks(Hkv, D, P, dt),
             SwapBlocks(Hkv, D, P, dt),
         ]
+
+    def kernels(self, target: str, lowering: str) -> list[Kernel]:
+        """The kernels a lowering builds for the model: each op, attention in the configs that target runs."""
+        return [k for op in self.ops() for k in kernels_for(op, target, lowering, self.decode_splits)]
 
 
 MODELS = {
@@ -65,6 +69,29 @@ def lowerings_for(target: str) -> list[str]:
     return [low for (t, low) in LOWERINGS if t == target]
 
 
+def kernels_for(op: OpSpec, target: str, lowering: str, decode_splits: int = 8) -> list[Kernel]:
+    """op's kernels for a lowering: paged attention in its default config and a split-KV config (the CUDA
+    templates: the configs its planner launches, prefill and decode steps); other ops as they are."""
+    if op.kind != "paged_attention":
+        return [Kernel(op)]
+    if (target, lowering) == ("cuda", "jinja"):
+        from .targets.cuda.config import AttentionConfig
+        from .targets.cuda.layout import uses_wgmma
+
+        prefill = AttentionConfig()
+        configs = [prefill.replace(item_queue=uses_wgmma(op, prefill)), AttentionConfig(decode_only=True),
+                   AttentionConfig(num_splits=decode_splits, fused_merge=True, decode_only=True)]
+    elif target == "ascend":
+        from .targets.ascend.config import AscendConfig
+
+        configs = [AscendConfig(), AscendConfig(num_splits=decode_splits)]
+    else:
+        from .lower.config import TVMConfig
+
+        configs = [TVMConfig(), TVMConfig(num_splits=decode_splits)]
+    return [Kernel(op, c) for c in configs]
+
+
 def preset_ops(preset: str) -> list[OpSpec]:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
@@ -74,14 +101,28 @@ def preset_ops(preset: str) -> list[OpSpec]:
     return ops
 
 
+def preset_kernels(preset: str, target: str, lowering: str) -> list[Kernel]:
+    """A preset's kernels for one lowering (each model's ops in the configs that lowering runs)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    kernels: list[Kernel] = []
+    for model in PRESETS[preset]:
+        m = MODELS[model]
+        kernels += [k for op in m.ops() for k in kernels_for(op, target, lowering, m.decode_splits) if k not in kernels]
+    return kernels
+
+
 def _lowering(target: str, lowering: str):
     mod, fn = LOWERINGS[(target, lowering)].split(":")
     return getattr(importlib.import_module(mod), fn)
 
 
-def build_one(op: OpSpec, target: str, lowering: str, out_dir: Path) -> dict:
-    """Build one kernel; never raises for a missing toolchain: the entry says why instead."""
-    entry = {"op": op.kind, "target": target, "lowering": lowering, "params": op.to_dict(),
+def build_one(op: OpSpec | Kernel, target: str, lowering: str, out_dir: Path) -> dict:
+    """Build one kernel (an op alone: its default config); never raises for a missing toolchain: the entry says
+    why instead."""
+    op = as_kernel(op)
+    cfg = op.to_dict()["config"]
+    entry = {"op": op.kind, "target": target, "lowering": lowering, "params": op.op.to_dict(), "config": cfg,
              "symbol": op.symbol(), "hash": op.key()}
     t0 = time.perf_counter()
     try:
@@ -104,10 +145,10 @@ def build_one(op: OpSpec, target: str, lowering: str, out_dir: Path) -> dict:
     return entry
 
 
-def build_set(ops: list[OpSpec], targets, out_dir: Path, progress: bool = True) -> dict:
-    """Build every op for every target and lowering; write and return out_dir/manifest.json."""
+def build_set(preset: str, targets, out_dir: Path, progress: bool = True) -> dict:
+    """Build a preset's kernels for every target and lowering; write and return out_dir/manifest.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    jobs = [(op, t, low) for t in targets for low in lowerings_for(t) for op in ops]
+    jobs = [(k, t, low) for t in targets for low in lowerings_for(t) for k in preset_kernels(preset, t, low)]
     from tqdm import tqdm
 
     entries = []
@@ -160,7 +201,7 @@ def jinja_cuda_artifact(op: OpSpec, out_dir: Path, arch: str = "sm_90") -> dict:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     src = out_dir / f"{op.symbol()}_{arch}.cu"
-    src.write_text(render_op(op))  # IRError for a variant the templates do not cover
+    src.write_text(render_op(op, arch))  # IRError for a variant the templates do not cover
     try:
         nvcc_path()
     except BuildError as e:

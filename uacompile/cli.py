@@ -33,10 +33,10 @@ def _parse_sets(pairs: list[str]) -> dict:
 
 
 def cmd_build(args) -> int:
-    from .build import DEFAULT_TARGETS, TARGETS, build_set, preset_ops
+    from .build import DEFAULT_TARGETS, TARGETS, build_set
 
     targets = {"all": TARGETS, None: DEFAULT_TARGETS}.get(args.target, (args.target,))
-    manifest = build_set(preset_ops(args.preset), targets, Path(args.out), progress=not args.quiet)
+    manifest = build_set(args.preset, targets, Path(args.out), progress=not args.quiet)
     built = sum(e["library"] is not None for e in manifest["kernels"])
     print(f"{built}/{len(manifest['kernels'])} kernels built -> {Path(args.out) / 'manifest.json'}")
     for e in manifest["kernels"]:

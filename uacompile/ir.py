@@ -93,6 +93,16 @@ def _check_pow2(op, name, lo=1, hi=1 << 30):
         raise IRError(f"{op.kind}.{name}", f"must be a power of two in [{lo}, {hi}], got {v!r}")
 
 
+def check_splits(num_splits, fused_merge, where: str = "config") -> None:
+    """The split fields every target's config shares: a positive int, and a fused merge only with splits."""
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise IRError(f"{where}.num_splits", f"must be a positive int, got {num_splits!r}")
+    if not isinstance(fused_merge, bool):
+        raise IRError(f"{where}.fused_merge", f"must be a bool, got {fused_merge!r}")
+    if fused_merge and num_splits == 1:
+        raise IRError(f"{where}.fused_merge", "needs num_splits > 1 (one split writes out directly)")
+
+
 class OpSpec:
     """Mixin for op specs: validation, parameter list, stable hash, dict round trip."""
 
@@ -117,8 +127,7 @@ class OpSpec:
 
     def key(self) -> str:
         """Stable short hash of the variant (part of kernel names and cache keys)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+        return hashlib.sha256(_blob(self.to_dict()).encode()).hexdigest()[:12]
 
     def symbol(self) -> str:
         return f"ua_{self.kind}_{self.key()}"
@@ -129,10 +138,73 @@ class OpSpec:
         return replace(self, **changes)
 
 
+def _blob(d: dict) -> str:
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What a target builds and launches: an op (the math) and how the target runs it (its config).
+
+    config is a target's frozen config dataclass (targets.cuda.config.AttentionConfig, ...), or None
+    for an op no config changes. A config's signature() gives the fields that change the op's parameters
+    (op.params(**signature)): split-KV partials and workspaces. key() and symbol() hash both halves, so
+    the kernel cache holds one entry per (op, config)."""
+
+    op: OpSpec
+    config: object = None
+
+    def __post_init__(self):
+        if not isinstance(self.op, OpSpec):
+            raise IRError("kernel.op", f"must be an op spec, got {type(self.op).__name__}")
+
+    def __getattr__(self, name):  # the op's fields and properties read through the kernel (kernel.head_dim)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.op, name)
+
+    @property
+    def kind(self) -> str:
+        return self.op.kind
+
+    def signature(self) -> dict:
+        return self.config.signature() if self.config is not None and hasattr(self.config, "signature") else {}
+
+    def params(self) -> list[TensorSpec]:
+        return self.op.params(**self.signature())
+
+    def tensors(self) -> list[TensorSpec]:
+        return [p for p in self.params() if not p.is_scalar]
+
+    def sizes(self) -> list[TensorSpec]:
+        return [p for p in self.params() if p.is_scalar]
+
+    def to_dict(self) -> dict:
+        cfg = None if self.config is None else {"config": type(self.config).__name__, **asdict(self.config)}
+        return {"op": self.op.to_dict(), "config": cfg}
+
+    def key(self) -> str:
+        if self.config is None:
+            return self.op.key()
+        return hashlib.sha256(_blob(self.to_dict()).encode()).hexdigest()[:12]
+
+    def symbol(self) -> str:
+        return f"ua_{self.kind}_{self.key()}"
+
+
+def as_kernel(x) -> Kernel:
+    """x itself when a Kernel; an op alone is the kernel with no config."""
+    return x if isinstance(x, Kernel) else Kernel(x)
+
+
 @dataclass(frozen=True)
 class PagedAttention(OpSpec):
     """UA paged attention (see DESIGN.md). One launch for any mix of prefill and decode.
 
+    The op is the math: out[t] (and lse[t] with return_lse) attends token t's query to positions
+    [lo, token_kv_len[t]) of its sequence's pages (lo > 0 only with a sliding window).
+    How a target runs it is the target's config, not the op (ir.Kernel). The parameter list
+    depends on three of a config's fields (params(num_splits, fused_merge, item_queue)):
     num_splits > 1 writes split-KV partials instead of the final output: split i of
     token t covers positions [lo + i*c, min(lo + (i+1)*c, L)) of its visible range
     [lo, L), c = ceil((L - lo) / num_splits); an empty split has lse = -inf, o = 0.
@@ -142,13 +214,7 @@ class PagedAttention(OpSpec):
     on entry and is all zero again on exit, so zero it once and reuse it (CUDA graph
     replays too); launches that share one counter buffer must not run concurrently.
     item_queue adds the workspace item_queue [2] int32, under the same rule (all zero on
-    entry and on exit; one per stream): the CUDA Hopper path's persistent prefill blocks
-    take their work items from it in heaviest-first order (a dynamic schedule); other
-    targets and paths ignore it, and the TVM and AscendC lowerings reject it.
-    decode_only attends every token as its own decode item (no tile of a sequence's tokens
-    sharing K/V loads): the same result for any ubatch, a schedule for decode steps (each
-    sequence one token), whose CUDA kernel then has no prefill path, its registers, shared
-    memory and scan. The TVM and AscendC lowerings, which have one schedule, ignore it.
+    entry and on exit; one per stream), from which persistent blocks take their work items.
     variant "unified_masked" has the same result but scans every sequence's pages and
     masks foreign cells out (llama.cpp's unified KV buffer), as a measured baseline.
     """
@@ -164,15 +230,11 @@ class PagedAttention(OpSpec):
     window: int = 0  # 0 = no sliding window
     softcap: float = 0.0  # 0 = no soft-cap
     alibi: bool = False
-    num_splits: int = 1
     return_lse: bool = False
     variant: str = "ua"  # ua | unified_masked
-    fused_merge: bool = False
-    item_queue: bool = False
-    decode_only: bool = False
 
     def __post_init__(self):
-        _check_positive(self, "num_q_heads", "num_kv_heads", "head_dim", "page_size", "num_splits")
+        _check_positive(self, "num_q_heads", "num_kv_heads", "head_dim", "page_size")
         if self.num_q_heads % self.num_kv_heads:
             raise IRError(f"{self.kind}.num_q_heads",
                           f"must be a multiple of num_kv_heads ({self.num_q_heads} % {self.num_kv_heads} != 0)")
@@ -189,16 +251,9 @@ class PagedAttention(OpSpec):
             raise IRError(f"{self.kind}.softcap", f"must be finite and >= 0 (0 = off), got {self.softcap!r}")
         if self.scale is not None and not (self.scale > 0 and math.isfinite(self.scale)):
             raise IRError(f"{self.kind}.scale", f"must be finite and > 0, got {self.scale!r}")
-        if not isinstance(self.fused_merge, bool):
-            raise IRError(f"{self.kind}.fused_merge", f"must be a bool, got {self.fused_merge!r}")
-        if self.fused_merge and self.num_splits == 1:
-            raise IRError(f"{self.kind}.fused_merge", "needs num_splits > 1 (one split writes out directly)")
-        if not isinstance(self.item_queue, bool):
-            raise IRError(f"{self.kind}.item_queue", f"must be a bool, got {self.item_queue!r}")
-        if not isinstance(self.decode_only, bool):
-            raise IRError(f"{self.kind}.decode_only", f"must be a bool, got {self.decode_only!r}")
-        if self.decode_only and self.item_queue:
-            raise IRError(f"{self.kind}.decode_only", "has no prefill blocks to take items: build with item_queue=False")
+        for name in ("alibi", "return_lse"):
+            if not isinstance(getattr(self, name), bool):
+                raise IRError(f"{self.kind}.{name}", f"must be a bool, got {getattr(self, name)!r}")
 
     @property
     def group_size(self) -> int:
@@ -208,7 +263,9 @@ class PagedAttention(OpSpec):
     def sm_scale(self) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
 
-    def params(self) -> list[TensorSpec]:
+    def params(self, num_splits: int = 1, fused_merge: bool = False, item_queue: bool = False) -> list[TensorSpec]:
+        """The kernel parameters; the three arguments are the run config's fields that change them (Kernel)."""
+        check_splits(num_splits, fused_merge, self.kind)
         Hq, Hkv, D, P = self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size
         ps = [
             TensorSpec("q", self.q_dtype, ("num_tokens", Hq, D)),
@@ -223,15 +280,15 @@ class PagedAttention(OpSpec):
                    TensorSpec("v_scale", "fp32", ("num_pages", P, Hkv))]
         if self.alibi:
             ps.append(TensorSpec("alibi_slopes", "fp32", (Hq,)))
-        if self.num_splits > 1:
-            S = self.num_splits
+        if num_splits > 1:
+            S = num_splits
             ps += [TensorSpec("o_partial", "fp32", (S, "num_tokens", Hq, D), "out"),
                    TensorSpec("lse_partial", "fp32", (S, "num_tokens", Hq), "out")]
-        if self.fused_merge:
+        if fused_merge:
             ps.append(TensorSpec("split_counters", "int32", ("num_tokens", Hkv), "inout"))
-        if self.item_queue:
+        if item_queue:
             ps.append(TensorSpec("item_queue", "int32", (2,), "inout"))
-        if self.num_splits == 1 or self.fused_merge:
+        if num_splits == 1 or fused_merge:
             ps.append(TensorSpec("out", self.q_dtype, ("num_tokens", Hq, D), "out"))
             if self.return_lse:
                 ps.append(TensorSpec("lse", "fp32", ("num_tokens", Hq), "out"))
@@ -391,23 +448,26 @@ def op_from_dict(d: dict) -> OpSpec:
     return cls(**d)
 
 
-def c_signature(op: OpSpec, name: str | None = None, stream_type: str = "cudaStream_t") -> str:
+def _signature(params: list[TensorSpec], name: str, stream_type: str) -> str:
+    args = [f"void* {p.name}" for p in params if not p.is_scalar] + [f"int64_t {p.name}" for p in params if p.is_scalar]
+    return f"int {name}({', '.join(args + [f'{stream_type} stream'])})"
+
+
+def c_signature(op: OpSpec | Kernel, name: str | None = None, stream_type: str = "cudaStream_t") -> str:
     """`int name(void* t..., int64_t size..., stream)`: the launcher ABI of every target."""
-    args = [f"void* {p.name}" for p in op.tensors()] + [f"int64_t {p.name}" for p in op.sizes()]
-    return f"int {name or op.symbol()}({', '.join(args + [f'{stream_type} stream'])})"
+    return _signature(op.params(), name or op.symbol(), stream_type)
 
 
-def cffi_cdef(op: OpSpec, name: str | None = None) -> str:
+def cffi_cdef(op: OpSpec | Kernel, name: str | None = None) -> str:
     """The cffi declaration of the launcher (the stream is an opaque pointer)."""
     return c_signature(op, name, stream_type="void*") + ";"
 
 
 def reference_doc() -> str:
     """docs/OPS.md: every op's contract, fields and kernel parameters, from this module."""
+    pa = PagedAttention(32, 8, 128, 16, "bf16", "bf16", return_lse=True)
     full = [PagedAttention(32, 8, 128, 16, "bf16", "int8", alibi=True, return_lse=True),
-            PagedAttention(32, 8, 128, 16, "bf16", "bf16", num_splits=4),
-            PagedAttention(32, 8, 128, 16, "bf16", "bf16", num_splits=4, return_lse=True, fused_merge=True),
-            PagedAttention(32, 8, 128, 16, "bf16", "bf16", item_queue=True),
+            (pa, dict(num_splits=4)), (pa, dict(num_splits=4, fused_merge=True)), (pa, dict(item_queue=True)),
             ReshapeAndCache(8, 128, 16, "bf16", "int8", rope=True), CopyBlocks(8, 128, 16, "int8"),
             SwapBlocks(8, 128, 16, "int8"), MergeState(32, 128, 4, "bf16", return_lse=True)]
     parts = ["# Ops (generated by `uacompile ops --markdown`; do not edit)", ""]
@@ -416,20 +476,30 @@ def reference_doc() -> str:
         rows = [f"| `{f.name}` | {str(f.type).replace(' | ', ' or ')} | {'required' if f.default is MISSING else repr(f.default)} |"
                 for f in fields(cls)]
         parts += [f"## {cls.kind}", "", doc, "", "| field | type | default |", "|---|---|---|", *rows, ""]
-        for op in (o for o in full if o.kind == cls.kind):
-            parts += [f"Kernel parameters of `{op!r}`:", "", describe(op).split("\n", 2)[2], "",
-                      f"Launcher: `{c_signature(op, 'ua_' + op.kind + '_<hash>')}`", ""]
+        for op, sig in (o if isinstance(o, tuple) else (o, {}) for o in full):
+            if op.kind != cls.kind:
+                continue
+            with_sig = "".join(f", {k}={v}" for k, v in sig.items())
+            params = op.params(**sig)
+            parts += [f"Kernel parameters of `{op!r}`{' with the config fields `' + with_sig[2:] + '`' if sig else ''}:",
+                      "", _param_table(params), "",
+                      f"Launcher: `{_signature(params, 'ua_' + op.kind + '_<hash>', 'cudaStream_t')}`", ""]
     return "\n".join(parts)
 
 
-def describe(op: OpSpec) -> str:
-    """Markdown table of an op's parameters (generated docs)."""
-    rows = [f"| `{p.name}` | {p.dtype} | {'scalar' if p.is_scalar else list(p.shape)} | {p.role} |" for p in op.params()]
-    return "\n".join([f"### `{op.kind}`", "", "| param | dtype | shape | role |", "|---|---|---|---|", *rows])
+def _param_table(params: list[TensorSpec]) -> str:
+    rows = [f"| `{p.name}` | {p.dtype} | {'scalar' if p.is_scalar else list(p.shape)} | {p.role} |" for p in params]
+    return "\n".join(["| param | dtype | shape | role |", "|---|---|---|---|", *rows])
+
+
+def describe(op: OpSpec | Kernel) -> str:
+    """Markdown table of an op's (or kernel's) parameters (generated docs)."""
+    return "\n".join([f"### `{op.kind}`", "", _param_table(op.params())])
 
 
 __all__ = [
-    "DTYPES", "FLOAT_DTYPES", "KV_DTYPES", "QUANT_DTYPES", "QMAX", "TensorSpec", "OpSpec",
+    "DTYPES", "FLOAT_DTYPES", "KV_DTYPES", "QUANT_DTYPES", "QMAX", "TensorSpec", "OpSpec", "Kernel", "as_kernel",
+    "check_splits",
     "PagedAttention", "ReshapeAndCache", "CopyBlocks", "SwapBlocks", "MergeState", "OPS",
     "op_from_dict", "c_signature", "cffi_cdef", "describe", "itemsize", "numpy_dtype",
 ]

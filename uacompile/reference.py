@@ -83,16 +83,17 @@ def _attend(op, qt, keys, vals, positions, kv_len, slopes):
 
 def paged_attention(op: PagedAttention, q, k_cache, v_cache, token_seq, page_table, token_kv_len,
                     k_scale=None, v_scale=None, alibi_slopes=None, split_counters=None,
-                    item_queue=None):
+                    item_queue=None, *, num_splits: int = 1, fused_merge: bool = False):
     """Returns (out [T,Hq,D], lse [T,Hq]) in float64, or with num_splits > 1
-    (o_partial [S,T,Hq,D], lse_partial [S,T,Hq]). A fused_merge op returns (out, lse),
-    merged from its partials (its split_counters and item_queue workspaces carry no data)."""
+    (o_partial [S,T,Hq,D], lse_partial [S,T,Hq]). With fused_merge it returns (out, lse),
+    merged from its partials (the split_counters and item_queue workspaces carry no data).
+    num_splits and fused_merge are a run config's fields (ir.Kernel): the split-KV contract."""
     q, P = f64(q), op.page_size
     K = dequantize(k_cache, k_scale) if op.quantized else f64(k_cache)
     V = dequantize(v_cache, v_scale) if op.quantized else f64(v_cache)
     slopes = f64(alibi_slopes) if op.alibi else None
     T, Hq, D = q.shape
-    S = op.num_splits
+    S = num_splits
     o_all, lse_all = np.zeros((S, T, Hq, D)), np.full((S, T, Hq), -np.inf)
     for t in range(T):
         s, L = int(token_seq[t]), int(token_kv_len[t])
@@ -101,7 +102,7 @@ def paged_attention(op: PagedAttention, q, k_cache, v_cache, token_seq, page_tab
             pos = np.arange(a, b)
             pages = np.asarray(page_table[s])[pos // P]
             o_all[i, t], lse_all[i, t] = _attend(op, q[t], K[pages, pos % P], V[pages, pos % P], pos, L, slopes)
-    if op.fused_merge:
+    if fused_merge:
         return merge_state(MergeState(Hq, D, S), o_all, lse_all)
     if S > 1:
         return o_all, lse_all
@@ -161,7 +162,16 @@ def swap_blocks(op: SwapBlocks, src, dst, mapping, src_scales=None, dst_scales=N
 
 
 def run(op, **arrays):
-    """Dispatch by op kind with keyword arrays named as in op.params()."""
+    """Dispatch by kind with keyword arrays named as in op.params(); op may be an ir.Kernel, whose config's
+    split fields (signature()) select partials or the merged output."""
+    from .ir import Kernel
+
+    extra = {}
+    if isinstance(op, Kernel):
+        if op.kind == "paged_attention":
+            sig = op.signature()
+            extra = dict(num_splits=sig.get("num_splits", 1), fused_merge=sig.get("fused_merge", False))
+        op = op.op
     fn = {"paged_attention": paged_attention, "merge_state": merge_state, "reshape_and_cache": reshape_and_cache,
           "copy_blocks": copy_blocks, "swap_blocks": swap_blocks}[op.kind]
-    return fn(op, **arrays)
+    return fn(op, **arrays, **extra)

@@ -16,7 +16,8 @@ from pathlib import Path
 import jinja2
 
 from uacompile.errors import IRError
-from uacompile.ir import (CopyBlocks, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks, c_signature, itemsize)
+from uacompile.ir import (CopyBlocks, Kernel, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks, as_kernel, c_signature,
+                          itemsize)
 
 UB_BYTES = 196_608  # Unified Buffer per vector core, 910B
 ALIGN = 32  # DataCopy / UB alignment unit
@@ -100,9 +101,10 @@ def _require(cond: bool, field_: str, rule: str) -> None:
 def _plan_attention(op: PagedAttention, soc: str) -> Plan:
     k = op.kind
     _require(op.variant == "ua", f"{k}.variant", "the AscendC target implements only variant 'ua'")
-    _require(not op.fused_merge, f"{k}.fused_merge",
+    sig = op.signature()
+    _require(not sig.get("fused_merge"), "config.fused_merge",
              "the AscendC target writes split-KV partials only (fused_merge=False); merge them in a second op")
-    _require(not op.item_queue, f"{k}.item_queue", "the AscendC target has no persistent schedule (item_queue=False)")
+    _require(not sig.get("item_queue"), "config.item_queue", "the AscendC target has no persistent schedule (item_queue=False)")
     _require(op.kv_dtype in ("fp16", "bf16", "fp32", "int8"), f"{k}.kv_dtype",
              f"the AscendC target supports fp16/bf16/fp32/int8 KV (910B has no fp8), got {op.kv_dtype}")
     D, G, Hkv = op.head_dim, op.group_size, op.num_kv_heads
@@ -111,7 +113,7 @@ def _plan_attention(op: PagedAttention, soc: str) -> Plan:
         _require(D * itemsize(dt) % ALIGN == 0, f"{k}.head_dim",
                  f"head_dim * sizeof({dt}) must be a multiple of 32 B for DataCopy, got {D}")
     _require((Hkv - 1) * D * skv // ALIGN <= 65535, f"{k}.num_kv_heads", "KV row gap exceeds DataCopy's 16-bit stride")
-    partial = op.num_splits > 1
+    partial = splits_of(op) > 1
     out_size = 4 if partial else sq
     with_lse = partial or op.return_lse
     for tile in (128, 64, 32, 16, 8, 4, 2, 1):
@@ -187,8 +189,14 @@ PLANNERS = {"paged_attention": _plan_attention, "reshape_and_cache": _plan_resha
             "swap_blocks": _plan_swap}
 
 
-def plan(op: OpSpec, soc: str = DEFAULT_SOC) -> Plan:
-    """The tiling / UB plan of op for a 910B part; IRError when the target cannot build it."""
+def splits_of(kernel: Kernel) -> int:
+    return kernel.signature().get("num_splits", 1)
+
+
+def plan(op: OpSpec | Kernel, soc: str = DEFAULT_SOC) -> Plan:
+    """The tiling / UB plan of a kernel (an op and its AscendConfig; an op alone: the default) for a 910B part;
+    IRError when the target cannot build it."""
+    op = as_kernel(op)
     if soc not in SOCS:
         raise IRError("soc", f"must be one of {sorted(SOCS)}, got {soc!r}")
     if op.kind not in PLANNERS:
@@ -233,8 +241,8 @@ def _context(op: OpSpec, p: Plan) -> dict:
                op_json=json.dumps(op.to_dict(), sort_keys=True))
     if op.kind == "paged_attention":
         ctx.update(q_t=CTYPES[op.q_dtype], kv_t=CTYPES[op.kv_dtype],
-                   out_t="float" if op.num_splits > 1 else CTYPES[op.q_dtype],
-                   with_lse=op.num_splits > 1 or op.return_lse, scale=repr(float(op.sm_scale)),
+                   out_t="float" if splits_of(op) > 1 else CTYPES[op.q_dtype],
+                   with_lse=splits_of(op) > 1 or op.return_lse, scale=repr(float(op.sm_scale)),
                    softcap=repr(float(op.softcap)))
     elif op.kind == "reshape_and_cache":
         ctx.update(in_t=CTYPES[op.dtype], kv_t=CTYPES[op.kv_dtype])
@@ -250,9 +258,10 @@ UNITS = {  # work items the blocks share (C expression over the tiling fields)
 }
 
 
-def generate(op: OpSpec, soc: str = DEFAULT_SOC) -> KernelSources:
-    """Render op's AscendC sources: <sym>_kernel.cpp, <sym>_tiling.h, <sym>_host.cpp,
-    CMakeLists.txt and <sym>.json (metadata)."""
+def generate(op: OpSpec | Kernel, soc: str = DEFAULT_SOC) -> KernelSources:
+    """Render a kernel's (an op and its AscendConfig) AscendC sources: <sym>_kernel.cpp, <sym>_tiling.h,
+    <sym>_host.cpp, CMakeLists.txt and <sym>.json (metadata)."""
+    op = as_kernel(op)
     p = plan(op, soc)
     env = _env()
     ctx = _context(op, p)
@@ -263,7 +272,7 @@ def generate(op: OpSpec, soc: str = DEFAULT_SOC) -> KernelSources:
         files[f"{sym}_host.cpp"] = env.get_template("ascend/swap_blocks.cpp.j2").render(ctx)
     else:
         kernel = ctx["kernel"]
-        units = UNITS[op.kind].format(hkv=getattr(op, "num_kv_heads", 1), splits=getattr(op, "num_splits", 1))
+        units = UNITS[op.kind].format(hkv=getattr(op, "num_kv_heads", 1), splits=splits_of(op))
         ctx.update(units=units)
         files[f"{sym}_tiling.h"] = env.get_template("ascend/tiling.h.j2").render(ctx)
         files[f"{sym}_kernel.cpp"] = env.get_template(f"ascend/{op.kind}.cpp.j2").render(ctx)

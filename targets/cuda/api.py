@@ -1,7 +1,7 @@
 """Call generated kernels on torch CUDA tensors.
 
     from uacompile.targets.cuda import api
-    kern = api.CudaKernel(op)          # build (cached) + load, once per op and process
+    kern = api.CudaKernel(op)          # build (cached) + load, once per kernel and process (op or ir.Kernel)
     kern(**tensors)                    # names as in op.params(); sizes inferred from shapes
     api.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)       # op inferred from tensors
     api.copy_blocks(kv, mapping); api.swap_blocks(src, dst, mapping); out = api.merge_state(o, lse)
@@ -37,19 +37,21 @@ def _error_name(code: int) -> str:
 
 
 class CudaKernel:
-    """One op variant, built and loaded; call it with keyword tensors named as in op.params()."""
+    """One kernel (an op and its config), built and loaded; call it with keyword tensors named as in its
+    params()."""
 
-    def __init__(self, op: ir.OpSpec, arch: str | None = None, library=None):
-        self.op = op
-        self.library = library or load(op, arch)
-        self.fn = self.library.function(op)
+    def __init__(self, op: ir.OpSpec | ir.Kernel, arch: str | None = None, library=None):
+        self.kernel = ir.as_kernel(op)
+        self.op = self.kernel.op
+        self.library = library or load(self.kernel, arch)
+        self.fn = self.library.function(self.kernel)
         self.ffi = self.library.ffi
-        self.binder = binding.Binder(op, (binding.TORCH,))
+        self.binder = binding.Binder(self.kernel, (binding.TORCH,))
         self.tensor_specs = self.binder.tensor_specs
-        self.host_ok = HOST_OK.get(op.kind, set())
+        self.host_ok = HOST_OK.get(self.op.kind, set())
 
     def __repr__(self):
-        return f"CudaKernel({self.op!r})"
+        return f"CudaKernel({self.kernel!r})"
 
     def bind(self, kwargs: dict) -> tuple[list, torch.device]:
         """Check the arguments; return the C argument list (without the stream) and the device."""
@@ -78,21 +80,25 @@ class CudaKernel:
 
     def __call__(self, **kwargs) -> None:
         args, device = self.bind(kwargs)
-        stream = torch.cuda.current_stream(device).cuda_stream
-        with torch.cuda.device(device):
-            rc = self.fn(*args, self.ffi.cast("void*", stream))
+        if device.index == torch.cuda.current_device():  # the launcher runs on the current device
+            rc = self.fn(*args, self.ffi.cast("void*", torch.cuda.current_stream().cuda_stream))
+        else:
+            with torch.cuda.device(device):
+                rc = self.fn(*args, self.ffi.cast("void*", torch.cuda.current_stream(device).cuda_stream))
         if rc:
-            raise RuntimeError(f"{self.op.symbol()}: CUDA error {rc} ({_error_name(rc)}) at launch")
+            raise RuntimeError(f"{self.kernel.symbol()}: CUDA error {rc} ({_error_name(rc)}) at launch")
 
 
 _kernels: dict[tuple, CudaKernel] = {}
 
 
-def kernel(op: ir.OpSpec, arch: str | None = None) -> CudaKernel:
-    """The CudaKernel of op, built and loaded once per process (or taken from preload)."""
-    if (op, arch) not in _kernels:
-        _kernels[(op, arch)] = CudaKernel(op, arch)
-    return _kernels[(op, arch)]
+def kernel(op: ir.OpSpec | ir.Kernel, arch: str | None = None) -> CudaKernel:
+    """The CudaKernel of a kernel (an op alone: its default config), built and loaded once per process (or taken
+    from preload)."""
+    key = (ir.as_kernel(op), arch)
+    if key not in _kernels:
+        _kernels[key] = CudaKernel(key[0], arch)
+    return _kernels[key]
 
 
 def preload(ops, arch: str | None = None, workers: int = 4) -> None:
@@ -101,7 +107,7 @@ def preload(ops, arch: str | None = None, workers: int = 4) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     by_kind: dict[str, list] = {}
-    for op in ops:
+    for op in map(ir.as_kernel, ops):
         by_kind.setdefault(op.kind, []).append(op)
     with ThreadPoolExecutor(max(1, min(workers, len(by_kind)))) as pool:
         libs = list(pool.map(lambda group: (group, load(group, arch)), by_kind.values()))
@@ -182,9 +188,8 @@ def merge_state(o_partial, lse_partial, out=None, lse=None, out_dtype: torch.dty
 
 def capture_graph(fns, calls: int = 1, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `calls` rounds of fns. Each fn runs once first on the capture stream (a new
-    one, or `stream`: its workspaces can then be looked up), so the per-stream workspaces
-    paged_attention() keeps (split partials, counters, item queue) exist before capture and the
-    graph holds kernels only."""
+    one, or `stream`), so whatever a fn builds or allocates on its first call (kernels, out tensors)
+    exists before capture and the graph holds kernels only."""
     stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -111,16 +111,17 @@ def serialised_kernels(warnings: list[str]) -> set[str]:
     return {m.group(1) for w in warnings if "wgmma" in w and (m := SERIALISED.search(w))}
 
 
-def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> BuildResult:
-    """Build (or find in the cache) one .so holding the launchers of every op in ops. Where an op has
+def build(ops: ir.OpSpec | ir.Kernel | Iterable[ir.OpSpec | ir.Kernel], arch: str | None = None) -> BuildResult:
+    """Build (or find in the cache) one .so holding the launchers of every kernel in ops (ir.Kernel: an op and
+    its config; an op alone is its default config). Where a kernel has
     several code shapes (render.code_shapes), the unit is built with every op in shape 0; an op whose wgmma
     ptxas serialised is rebuilt in its next shape until it has a clean one (shape 0 if none is), a unit of
     mixed shapes if need be. build.json keeps each attempt."""
     t0 = time.perf_counter()
-    ops = [ops] if isinstance(ops, ir.OpSpec) else list(ops)
+    ops = [ir.as_kernel(op) for op in ([ops] if isinstance(ops, (ir.OpSpec, ir.Kernel)) else ops)]
     if not ops:
         raise ValueError("ops: need at least one op to build")
-    ops = list({op.symbol(): op for op in ops}.values())  # one launcher per distinct variant
+    ops = list({op.symbol(): op for op in ops}.values())  # one launcher per distinct kernel
     arch = arch or default_arch()
     source = "\n".join(render_op(op, arch) for op in ops)
     flags = nvcc_flags(arch, source)

@@ -27,7 +27,7 @@ class KernelLibrary:
     build: BuildResult | None = None
     _functions: dict = field(default_factory=dict)
 
-    def function(self, op: ir.OpSpec):
+    def function(self, op: ir.OpSpec | ir.Kernel):
         sym = op.symbol()
         if sym not in self._functions:
             if sym not in {o.symbol() for o in self.ops}:
@@ -40,11 +40,12 @@ _loaded: dict[tuple[str, tuple[str, ...]], KernelLibrary] = {}
 _lock = threading.Lock()
 
 
-def load_library(path: Path | str, ops: Iterable[ir.OpSpec], build_result: BuildResult | None = None) -> KernelLibrary:
-    """dlopen a built .so and declare the launchers of ops (once per path and op set)."""
+def load_library(path: Path | str, ops: Iterable[ir.OpSpec | ir.Kernel],
+                 build_result: BuildResult | None = None) -> KernelLibrary:
+    """dlopen a built .so and declare the launchers of its kernels (once per path and kernel set)."""
     import cffi
 
-    ops = list({op.symbol(): op for op in ops}.values())  # a variant listed twice is declared once
+    ops = list({op.symbol(): ir.as_kernel(op) for op in ops}.values())  # a variant listed twice is declared once
     key = (str(path), tuple(sorted(op.symbol() for op in ops)))
     with _lock:
         if key not in _loaded:
@@ -54,47 +55,8 @@ def load_library(path: Path | str, ops: Iterable[ir.OpSpec], build_result: Build
         return _loaded[key]
 
 
-def load(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> KernelLibrary:
-    """Build (through the cache) and load one library holding every op in ops."""
-    ops = [ops] if isinstance(ops, ir.OpSpec) else list(ops)
+def load(ops: ir.OpSpec | ir.Kernel | Iterable[ir.OpSpec | ir.Kernel], arch: str | None = None) -> KernelLibrary:
+    """Build (through the cache) and load one library holding every kernel in ops."""
+    ops = [ir.as_kernel(op) for op in ([ops] if isinstance(ops, (ir.OpSpec, ir.Kernel)) else ops)]
     res = build(ops, arch)
     return load_library(res.path, ops, res)
-
-
-# ---------------------------------------------------------------- design candidates side by side
-def _build_design(env_var: str, design: str, ops: list, arch: str | None) -> str:
-    """In a spawned worker: build ops with the design's knobs in env_var and, after a "|", extra nvcc
-    flags (the templates' experiment switches, UACOMPILE_NVCC_FLAGS); the library path."""
-    import os
-
-    knobs, _, flags = design.partition("|")
-    os.environ[env_var] = knobs
-    os.environ["UACOMPILE_NVCC_FLAGS"] = flags
-    return str(build(ops, arch).path)
-
-
-def load_designs(env_var: str, designs: dict, ops: list, arch: str | None = None) -> dict:
-    """{name: KernelLibrary, or the exception its build raised}: ops built once per design
-    ("k=v,..." in env_var, which the template's context builder reads at render, then optionally
-    "|nvcc flags"; "" is production),
-    each in its own spawned process so that no build sees another's knobs, nvcc runs in parallel."""
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-
-    out = {}
-    workers = max(1, min(len(designs), os.cpu_count() or 1))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {name: pool.submit(_build_design, env_var, d, ops, arch) for name, d in designs.items()}
-        for name, fut in futures.items():
-            try:
-                out[name] = load_library(fut.result(), ops)
-            except Exception as e:  # noqa: BLE001 - a design that does not build is reported, not fatal
-                out[name] = e
-    return out
-
-
-def build_failure(e: Exception) -> str:
-    """A design's failed build in one line (a sweep's row)."""
-    text = str(e).strip()
-    return f"build: {text.splitlines()[-1][:200] if text else type(e).__name__}"

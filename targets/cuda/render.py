@@ -12,18 +12,20 @@ gets the common keys below, so a template needs no Python beyond its builder:
 Templates start with `{% include "cuda/common.cuh.j2" %}` (dtypes, vectors, quantisation).
 A template that needs Hopper-only instructions (wgmma) writes the marker line
 `// UA_REQUIRES_SM90A` and guards that code for other archs; build.py then compiles it for
-sm_90a. Builders get the target arch (`fn(op, arch)`); paged_attention's lives in attention.py as
-`template_context(op, arch)` and picks its Hopper path by it.
+sm_90a. Builders get the target arch (`fn(op, arch)`); paged_attention's takes the kernel (op and
+AttentionConfig) and sizes it with layout.py, which picks its Hopper path by the arch.
 """
 from __future__ import annotations
 
 import functools
-import importlib
 from pathlib import Path
 
 import jinja2
 
 from uacompile import ir
+
+from .config import config_of
+from .layout import HOPPER_ARCHS, TEMPLATE, check, dynamic_prefill, layout, uses_wgmma, wgmma_width
 
 SM90A_MARKER = "// UA_REQUIRES_SM90A"
 CTYPE = {name: c for name, (_, c, _) in ir.DTYPES.items()}
@@ -163,12 +165,39 @@ def _merge_state(op: ir.MergeState, arch: str):
         group=lane_group(op.head_dim // vec), threads=256, return_lse=op.return_lse)
 
 
-def _attention():
-    return importlib.import_module(".attention", __package__)
+def _c_float(x: float) -> str:
+    return f"{float(x):.9e}f"
 
 
-def _paged_attention(op, arch: str, shape: int = 0):
-    return _attention().template_context(op, arch, shape)
+# Shapes of the same attention kernel the build may render (the template's TILE_SHAPE): build.py renders the
+# next one where ptxas serialises a kernel's wgmma (its warning C7511). Entry i: what shape i is.
+CODE_SHAPES = (
+    "swizzled K/V rows, V's ldmatrix addresses made once a tile",
+    "swizzled K/V rows, V's ldmatrix addresses made at each use",
+    "padded K/V rows (16 bytes a row; lines split across smem segments)",
+)
+
+
+def _paged_attention(kernel: ir.Kernel, arch: str = "sm_90", shape: int = 0) -> tuple[str, dict]:
+    op, cfg = kernel.op, config_of(kernel)
+    check(op, cfg)
+    if not 0 <= shape < len(CODE_SHAPES):
+        raise ValueError(f"shape: expected 0..{len(CODE_SHAPES) - 1} (render.CODE_SHAPES), got {shape}")
+    lay = layout(op, cfg, arch)
+    design = dict(prologue="spec", merge="lean", grid="flat", pdl=arch in HOPPER_ARCHS)  # griddepcontrol: sm_90+
+    return TEMPLATE, dict(
+        variant=op.variant, unified=op.variant == "unified_masked",
+        Hq=op.num_q_heads, Hkv=op.num_kv_heads, D=op.head_dim, DW=wgmma_width(op.head_dim) if lay.wgmma else op.head_dim,
+        P=op.page_size,
+        q_dtype=op.q_dtype, kv_dtype=op.kv_dtype, q_ctype=CTYPE[op.q_dtype], kv_ctype=CTYPE[op.kv_dtype],
+        quantized=op.quantized, num_splits=cfg.num_splits, write_lse=op.return_lse and cfg.num_splits == 1,
+        fused_merge=cfg.fused_merge,
+        window=op.window, softcap=op.softcap, softcap_c=_c_float(op.softcap or 1.0), alibi=op.alibi,
+        scale_c=_c_float(op.sm_scale), bn_prefill=lay.bn_prefill, mt_prefill=lay.mt_prefill, kv_rows=lay.kv_rows,
+        stages=lay.stages, smem_bytes=lay.smem_bytes, min_blocks=lay.min_blocks, prefill_rows=lay.prefill_rows,
+        groups=lay.decode_groups, wgmma=lay.wgmma, decode_only=cfg.decode_only, design=design,
+        dynamic=dynamic_prefill(op, cfg, arch), bn_wg=lay.bn_wg, stages_wg=lay.stages_wg,
+        smem_prefill=lay.smem_prefill, code_shape=shape)
 
 
 CONTEXT_BUILDERS = {
@@ -180,24 +209,30 @@ CONTEXT_BUILDERS = {
 }
 
 
-def code_shapes(op: ir.OpSpec, arch: str = "sm_90") -> int:
+def code_shapes(op: ir.OpSpec | ir.Kernel, arch: str = "sm_90") -> int:
     """How many shapes of the same code op's template renders for arch (render_op's shape; build.py tries
     them for kernels whose wgmma ptxas serialised). 1 for templates without alternatives and for kernels
     without wgmma (nothing to serialise)."""
-    if op.kind != "paged_attention" or not _attention().uses_wgmma(op, arch):
+    kernel = ir.as_kernel(op)
+    if kernel.kind != "paged_attention" or not uses_wgmma(kernel.op, config_of(kernel), arch):
         return 1
-    return len(_attention().CODE_SHAPES)
+    return len(CODE_SHAPES)
 
 
-def render_op(op: ir.OpSpec, arch: str = "sm_90", shape: int = 0) -> str:
-    """The complete CUDA source (header included) of op for arch, with its extern "C" launcher; shape
-    picks one of code_shapes(op) renderings of the same computation."""
+def render_op(op: ir.OpSpec | ir.Kernel, arch: str = "sm_90", shape: int = 0) -> str:
+    """The complete CUDA source (header included) of a kernel (an op and its config; an op alone runs the
+    default config) for arch, with its extern "C" launcher; shape picks one of code_shapes() renderings of the
+    same computation."""
+    kernel = ir.as_kernel(op)
+    op = kernel.op
     if op.kind not in CONTEXT_BUILDERS:
         raise ir.IRError("op", f"has no CUDA template: {op.kind!r} (have {sorted(CONTEXT_BUILDERS)})")
     if not 0 <= shape < code_shapes(op, arch):
         raise ValueError(f"shape: {op.kind} has {code_shapes(op, arch)} code shape(s) on {arch}, got {shape}")
-    template, ctx = CONTEXT_BUILDERS[op.kind](op, arch, shape) if shape else CONTEXT_BUILDERS[op.kind](op, arch)
-    common = dict(op=op, symbol=op.symbol(), ns=f"{op.symbol()}_impl", signature=ir.c_signature(op), ctype=CTYPE)
+    builder_arg = kernel if op.kind == "paged_attention" else op
+    template, ctx = CONTEXT_BUILDERS[op.kind](builder_arg, arch, shape) if shape else CONTEXT_BUILDERS[op.kind](builder_arg, arch)
+    common = dict(op=op, symbol=kernel.symbol(), ns=f"{kernel.symbol()}_impl", signature=ir.c_signature(kernel),
+                  ctype=CTYPE)
     return environment().get_template(template).render(**common, **ctx)
 
 

@@ -12,22 +12,20 @@ cells of other sequences and positions outside the token's range: llama.cpp's co
 """
 from __future__ import annotations
 
-from ..errors import IRError
-from ..ir import PagedAttention
+from ..ir import Kernel, PagedAttention
+from .config import splits_of
 from .tvm_kernels import ALIGN, TIR_DTYPE, lanes_for, load_f32, merge_row_macro, neg_inf, transform_score
 
 
-def paged_attention(op: PagedAttention, gpu: bool):
-    if op.item_queue:
-        raise IRError("paged_attention.item_queue", "the TVM lowerings have no persistent schedule: build with item_queue=False")
-    return _cuda(op) if gpu else _cpu(op)
+def paged_attention(kernel: Kernel, gpu: bool):
+    """kernel: the op and its config (TVMConfig's split fields, or any config's signature())."""
+    S, fused = splits_of(kernel)
+    return _cuda(kernel.op, S, fused) if gpu else _cpu(kernel.op, S, fused)
 
 
-def _ranges(op: PagedAttention):
+def _ranges(op: PagedAttention, S: int):
     """Python helpers building the visible range [lo, L) and split i's [a, b) as int64 exprs."""
     from tvm import tirx
-
-    S = op.num_splits
 
     def lo_of(L):
         return tirx.max(L - tirx.const(op.window, "int64"), tirx.const(0, "int64")) if op.window else tirx.const(0, "int64")
@@ -42,12 +40,12 @@ def _ranges(op: PagedAttention):
     return lo_of, split
 
 
-def _with_buffers(op: PagedAttention, body):
+def _with_buffers(op: PagedAttention, S: int, body):
     """The kernel: the IR's parameters as buffers, then `body` (a T.macro of the buffers and sizes,
     one per target) as its whole body, so both targets share one declaration of the signature."""
     from tvm.script import tirx as T
 
-    Hq, Hkv, D, P, S = op.num_q_heads, op.num_kv_heads, op.head_dim, op.page_size, op.num_splits
+    Hq, Hkv, D, P = op.num_q_heads, op.num_kv_heads, op.head_dim, op.page_size
     qdt, kvdt = TIR_DTYPE[op.q_dtype], TIR_DTYPE[op.kv_dtype]
 
     @T.prim_func
@@ -76,16 +74,16 @@ def _with_buffers(op: PagedAttention, body):
     return kernel
 
 
-def _cpu(op: PagedAttention):
+def _cpu(op: PagedAttention, S: int, fused: bool):
     from tvm.script import tirx as T
 
-    Hq, D, P, G, S = op.num_q_heads, op.head_dim, op.page_size, op.group_size, op.num_splits
+    Hq, D, P, G = op.num_q_heads, op.head_dim, op.page_size, op.group_size
     qdt, kvd = TIR_DTYPE[op.q_dtype], op.kv_dtype
     LN = 8 if D % 8 == 0 else (4 if D % 4 == 0 else 1)  # dot-product lanes (fp32 partial sums)
     quant, unified, with_lse = op.quantized, op.variant == "unified_masked", op.return_lse
     scale, NEG = op.sm_scale, neg_inf()
-    lo_of, split = _ranges(op)
-    fused, merge_row = op.fused_merge, _merge_macro(op)
+    lo_of, split = _ranges(op, S)
+    merge_row = merge_row_macro(S, op.q_dtype, op.return_lse)
 
     def tf(x, h, j, L, slopes):
         return transform_score(op, x, h, j, L, slopes)
@@ -186,19 +184,13 @@ def _cpu(op: PagedAttention):
                 merge_row(o_partial, lse_partial, out, lse, st, acc, t, h, 0, D)
 
 
-    return _with_buffers(op, body)
+    return _with_buffers(op, S, body)
 
 
-def _merge_macro(op: PagedAttention):
-    """fused_merge: merge_state's row merge over the op's split partials (the TVM lowerings merge
-    in a separate pass, without split counters)."""
-    return merge_row_macro(op.num_splits, op.q_dtype, op.return_lse)
-
-
-def _cuda(op: PagedAttention):
+def _cuda(op: PagedAttention, S: int, fused: bool):
     from tvm.script import tirx as T
 
-    Hq, D, P, G, S = op.num_q_heads, op.head_dim, op.page_size, op.group_size, op.num_splits
+    Hq, D, P, G = op.num_q_heads, op.head_dim, op.page_size, op.group_size
     qdt, kvd = TIR_DTYPE[op.q_dtype], op.kv_dtype
     TX = lanes_for(D)  # lanes per row of D
     VEC = D // TX  # elements per lane
@@ -206,9 +198,9 @@ def _cuda(op: PagedAttention):
     NSH = TX.bit_length() - 1  # butterfly steps over the TX lanes of a row
     quant, unified, with_lse = op.quantized, op.variant == "unified_masked", op.return_lse
     scale, NEG = op.sm_scale, neg_inf()
-    lo_of, split = _ranges(op)
+    lo_of, split = _ranges(op, S)
     FULL = 0xFFFFFFFF
-    fused, merge_row = op.fused_merge, _merge_macro(op)
+    merge_row = merge_row_macro(S, op.q_dtype, op.return_lse)
 
     def tf(x, h, j, L, slopes):
         return transform_score(op, x, h, j, L, slopes)
@@ -329,4 +321,4 @@ def _cuda(op: PagedAttention):
                                   tx * VEC, VEC)
 
 
-    return _with_buffers(op, body)
+    return _with_buffers(op, S, body)

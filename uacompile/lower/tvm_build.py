@@ -20,7 +20,7 @@ import numpy as np
 
 from ..binding import host_binder
 from ..cache import cached_build, content_hash, toolchain_versions
-from ..ir import OpSpec
+from ..ir import Kernel, OpSpec, as_kernel
 from .tvm_kernels import generator_source, prim_func
 
 CACHE_KIND = "tvm_cpu"
@@ -51,10 +51,12 @@ def build_cpu_library(op: OpSpec, out_dir: Path) -> Path:
     return out_dir / LIBRARY
 
 
-def cpu_kernel(op: OpSpec) -> "CpuKernel":
-    """The callable CPU kernel of op, from the build cache (built on a miss; loaded once per process)."""
-    if not isinstance(op, OpSpec):
-        raise TypeError(f"op: must be an ir op spec, got {type(op).__name__}")
+def cpu_kernel(op) -> "CpuKernel":
+    """The callable CPU kernel of an op or ir.Kernel (op + TVMConfig), from the build cache (built on a miss;
+    loaded once per process)."""
+    if not isinstance(op, (OpSpec, Kernel)):
+        raise TypeError(f"op: must be an ir op spec or ir.Kernel, got {type(op).__name__}")
+    op = as_kernel(op)
     key = cpu_cache_key(op)
     with _lock:
         if key in _loaded:

@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 from ..cache import cached_build, content_hash, toolchain_versions
-from ..ir import OpSpec, c_signature
+from ..ir import OpSpec, as_kernel, c_signature
 from .tvm_kernels import generator_source, prim_func
 
 CACHE_KIND = "tvm_cuda"
@@ -158,6 +158,7 @@ def cuda_source(op: OpSpec, arch: str = "sm_90") -> str:
     """TVM-generated CUDA for op plus its extern "C" launcher `ir.c_signature(op)`."""
     import tvm
 
+    op = as_kernel(op)
     target = cuda_target(arch)
     func = prim_func(op, "cuda")
     with _pass_context():
@@ -179,6 +180,7 @@ def build_cuda_library(op: OpSpec, arch: str = "sm_90", out_dir: str | Path | No
     """nvcc-build op's CUDA source into a shared library (through the cache) and return its path;
     with out_dir, the .so and its .cu are copied there as <symbol>_<arch>.so/.cu."""
     _check_arch(arch)
+    op = as_kernel(op)
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise NvccNotFound(f"nvcc not found on PATH: cannot build the CUDA library of {op.kind} for {arch}")

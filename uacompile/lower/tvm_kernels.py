@@ -41,16 +41,20 @@ def lanes_for(head_dim: int, max_lanes: int = 32) -> int:
     return tx
 
 
-def prim_func(op: OpSpec, target: str = "cpu"):
-    """The TIR kernel of op for target 'cpu' or 'cuda' (global_symbol = op.symbol())."""
+def prim_func(op, target: str = "cpu"):
+    """The TIR kernel of a kernel (an op and its TVMConfig; an op alone: the default config) for target 'cpu' or
+    'cuda' (global_symbol = its symbol())."""
+    from ..ir import as_kernel
     from . import tvm_attention, tvm_cache_ops
 
+    kernel = as_kernel(op)
     if target not in TARGETS:
         raise ValueError(f"target: must be one of {TARGETS}, got {target!r}")
     gen = {"paged_attention": tvm_attention.paged_attention, "reshape_and_cache": tvm_cache_ops.reshape_and_cache,
            "copy_blocks": tvm_cache_ops.copy_blocks, "swap_blocks": tvm_cache_ops.swap_blocks,
-           "merge_state": tvm_cache_ops.merge_state}[op.kind]
-    return finalize(gen(op, target == "cuda"), op)
+           "merge_state": tvm_cache_ops.merge_state}[kernel.kind]
+    arg = kernel if kernel.kind == "paged_attention" else kernel.op
+    return finalize(gen(arg, target == "cuda"), kernel)
 
 
 def finalize(func, op: OpSpec):
