@@ -93,13 +93,16 @@ class Executor:
         if not batch.seqs:
             return [], torch.empty(0, self.model.cfg.vocab_size)
         step = build_step(batch, self.page_size, self.device)
+        plan = self.kernels.plan_step(step.token_seq.shape[0], step.page_table.shape[0],
+                                      step.page_table.shape[1] * self.page_size)
 
         def attention(layer: int, q, k, v):
             k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]
             self.kernels.reshape_and_cache(k=k, v=v, slot_mapping=step.slot_mapping, k_cache=k_cache, v_cache=v_cache)
             out = torch.empty_like(q)
             self.kernels.paged_attention(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=step.token_seq,
-                                         page_table=step.page_table, token_kv_len=step.token_kv_len, out=out)
+                                         page_table=step.page_table, token_kv_len=step.token_kv_len, out=out,
+                                         plan=plan)
             return out
 
         hidden = self.model(step.input_ids, step.positions, attention)

@@ -50,11 +50,15 @@ class KernelBackend:
     def run(self, op: ir.OpSpec, **tensors) -> None:
         raise NotImplementedError
 
+    def plan_step(self, num_tokens: int, num_seqs: int, max_kv_len: int):
+        """What a step's attention launches need, worked out once before its layers (None: nothing to plan)."""
+        return None
+
     # the executor's four calls
     def reshape_and_cache(self, k, v, slot_mapping, k_cache, v_cache) -> None:
         self.run(self.ops.cache_write, k=k, v=v, slot_mapping=slot_mapping, k_cache=k_cache, v_cache=v_cache)
 
-    def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out) -> None:
+    def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out, plan=None) -> None:
         self.run(self.ops.attention, q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq,
                  page_table=page_table, token_kv_len=token_kv_len, out=out)
 
@@ -116,30 +120,37 @@ class TVMCPUBackend(KernelBackend):
 
 class CUDABackend(KernelBackend):
     """Generated CUDA kernels (Jinja templates, nvcc, cffi) through uacompile.targets.cuda: launched on
-    torch's current stream; attention picks split-KV per step shape."""
+    torch's current stream; a step's attention is planned once (split-KV by the step's shapes) and run
+    every layer."""
 
     name = "cuda"
 
     def __init__(self, ops: KernelOps):
         super().__init__(ops)
         try:
-            from uacompile.targets.cuda import api, attention
+            from uacompile.targets.cuda import api, attention, layout, plan
         except ImportError as e:
             raise NotImplementedError(f"cuda backend: uacompile.targets.cuda is not available ({e})") from None
-        attention.check(ops.attention)  # IRError naming the field the CUDA template does not cover
-        # the attention kernels of a one-split prefill step and decode step, as paged_attention() launches them
+        layout.check(ops.attention)  # IRError naming the field the CUDA template does not cover
+        # the attention kernels of a one-split prefill step and decode step, as plan() picks them
         # (split counts other than 1 build at their first step)
-        arch = attention._arch(torch.cuda.current_device())
-        steps = [attention.launched_op(ops.attention, 1, arch=arch, decode_only=only) for only in (False, True)]
+        device = torch.cuda.current_device()
+        arch, sms = plan.device_arch(device), plan.device_sms(device)
+        steps = [ir.Kernel(ops.attention, plan.choose_config(ops.attention, t, 1, 0, sms, arch)) for t in (1, 2)]
         api.preload([*steps, ops.cache_write, ops.copy, ops.swap])  # one nvcc run per kind, cached
-        self.api, self.attention = api, attention
+        self.api, self.attention, self.planner = api, attention, plan
+        self.workspace = plan.Workspace(torch.device("cuda", device))
+
+    def plan_step(self, num_tokens: int, num_seqs: int, max_kv_len: int):
+        return self.planner.plan(self.ops.attention, num_tokens, num_seqs, max_kv_len, workspace=self.workspace)
+
+    def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out, plan=None) -> None:
+        if plan is None:
+            plan = self.plan_step(q.shape[0], page_table.shape[0], page_table.shape[1] * self.ops.attention.page_size)
+        self.attention.run(plan, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out=out)
 
     def run(self, op, **tensors):
-        if op.kind == "paged_attention":
-            out = tensors.pop("out")
-            self.attention.paged_attention(op, out=out, **tensors)
-        else:
-            self.api.kernel(op)(**tensors)  # checks names, dtypes, shapes, devices itself
+        self.api.kernel(op)(**tensors)  # checks names, dtypes, shapes, devices itself
 
 
 def make_backend(name: str, ops: KernelOps, device: str) -> KernelBackend:

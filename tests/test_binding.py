@@ -9,12 +9,13 @@ import pytest
 
 from uacompile import testing
 from uacompile.binding import NUMPY, TORCH, TORCH_CPU, Binder, host_binder
-from uacompile.ir import (DTYPES, CopyBlocks, MergeState, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks,
+from uacompile.ir import (DTYPES, CopyBlocks, Kernel, MergeState, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks,
                           TensorSpec, numpy_dtype, size)
+from uacompile.lower.config import TVMConfig
 
 CASES = {
     "attention": (PagedAttention(4, 2, 64), lambda op, rng: testing.attention_inputs(op, rng, [5, 17], [2, 3])),
-    "attention-int8-alibi-splits": (PagedAttention(8, 2, 64, 16, "bf16", "int8", alibi=True, num_splits=3),
+    "attention-int8-alibi-splits": (Kernel(PagedAttention(8, 2, 64, 16, "bf16", "int8", alibi=True), TVMConfig(num_splits=3)),
                                     lambda op, rng: testing.attention_inputs(op, rng, [40, 9], [1, 4])),
     "attention-fp8-lse": (PagedAttention(4, 1, 32, 8, "fp16", "fp8_e4m3", return_lse=True),
                           lambda op, rng: testing.attention_inputs(op, rng, [3])),

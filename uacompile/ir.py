@@ -170,6 +170,10 @@ class Kernel:
     def signature(self) -> dict:
         return self.config.signature() if self.config is not None and hasattr(self.config, "signature") else {}
 
+    def replace(self, **changes) -> "Kernel":
+        """The same config over the op with `changes` (op fields)."""
+        return Kernel(self.op.replace(**changes), self.config)
+
     def params(self) -> list[TensorSpec]:
         return self.op.params(**self.signature())
 

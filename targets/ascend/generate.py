@@ -240,7 +240,7 @@ def _context(op: OpSpec, p: Plan) -> dict:
                signature=c_signature(op, stream_type="aclrtStream"), ctypes=CTYPES,
                op_json=json.dumps(op.to_dict(), sort_keys=True))
     if op.kind == "paged_attention":
-        ctx.update(q_t=CTYPES[op.q_dtype], kv_t=CTYPES[op.kv_dtype],
+        ctx.update(q_t=CTYPES[op.q_dtype], kv_t=CTYPES[op.kv_dtype], num_splits=splits_of(op),
                    out_t="float" if splits_of(op) > 1 else CTYPES[op.q_dtype],
                    with_lse=splits_of(op) > 1 or op.return_lse, scale=repr(float(op.sm_scale)),
                    softcap=repr(float(op.softcap)))

@@ -3,13 +3,13 @@ import numpy as np
 import pytest
 
 from uacompile import IRError, reference as R, testing as U
-from uacompile.ir import (OPS, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, TensorSpec,
+from uacompile.ir import (OPS, CopyBlocks, Kernel, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, TensorSpec,
                           c_signature, cffi_cdef, describe, op_from_dict)
-from uacompile.program import Program, choose_num_splits, dead_op_elimination, run_reference, split_kv, validate
+from uacompile.lower.config import TVMConfig
+from uacompile.program import Program, dead_op_elimination, run_reference, validate
 
 EXAMPLES = [PagedAttention(32, 8, 128, 16, "bf16", "bf16"), PagedAttention(8, 4, 8, 16, "fp32", "fp32"),
-            PagedAttention(8, 2, 64, 16, "fp16", "int8", alibi=True, num_splits=4),
-            PagedAttention(8, 2, 64, 16, "fp16", "fp16", num_splits=4, fused_merge=True, return_lse=True),
+            PagedAttention(8, 2, 64, 16, "fp16", "int8", alibi=True), PagedAttention(8, 2, 64, 16, "fp16", "fp16", return_lse=True),
             ReshapeAndCache(8, 128, 16, "bf16", "fp8_e4m3", rope=True), CopyBlocks(8, 128, 16, "int8"),
             SwapBlocks(8, 128, 16, "bf16"), MergeState(32, 128, 8, "bf16", return_lse=True)]
 
@@ -26,14 +26,33 @@ EXAMPLES = [PagedAttention(32, 8, 128, 16, "bf16", "bf16"), PagedAttention(8, 4,
     (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, softcap=float("nan")), "paged_attention.softcap"),
     (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, scale=0.0), "paged_attention.scale"),
     (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, variant="dense"), "paged_attention.variant"),
-    (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, num_splits=0), "paged_attention.num_splits"),
-    (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, fused_merge=True), "paged_attention.fused_merge"),
-    (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, num_splits=2, fused_merge=1), "paged_attention.fused_merge"),
+    (dict(num_q_heads=8, num_kv_heads=8, head_dim=64, alibi="False"), "paged_attention.alibi"),
 ])
 def test_invalid_attention_names_field(kwargs, field):
     with pytest.raises(IRError) as e:
         PagedAttention(**kwargs)
     assert e.value.field == field and field in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(num_splits=0), "TVMConfig.num_splits"), (dict(num_splits=True), "TVMConfig.num_splits"),
+    (dict(fused_merge=True), "TVMConfig.fused_merge"), (dict(num_splits=2, fused_merge=1), "TVMConfig.fused_merge"),
+])
+def test_invalid_split_config_names_field(kwargs, field):
+    with pytest.raises(IRError) as e:
+        TVMConfig(**kwargs)
+    assert e.value.field == field
+
+
+def test_schedule_fields_are_not_the_ops():
+    """How a kernel runs is its config: the op has no split fields, and the kernel hashes both halves."""
+    with pytest.raises(TypeError):
+        PagedAttention(8, 8, 64, num_splits=2)
+    op = PagedAttention(8, 8, 64)
+    one, split = Kernel(op, TVMConfig()), Kernel(op, TVMConfig(num_splits=2))
+    assert len({op.symbol(), one.symbol(), split.symbol()}) == 3
+    assert Kernel(op, TVMConfig(num_splits=2)).symbol() == split.symbol()
+    assert split.head_dim == 64 and split.params() == op.params(num_splits=2)
 
 
 def test_invalid_cache_ops_name_field():
@@ -83,8 +102,9 @@ def test_params_follow_options():
     assert "k_scale" in names(PagedAttention(8, 8, 64, kv_dtype="int8"))
     assert "k_scale" not in names(PagedAttention(8, 8, 64))
     assert "alibi_slopes" in names(PagedAttention(8, 8, 64, alibi=True))
-    assert names(PagedAttention(8, 8, 64, num_splits=2))[-6:-4] == ["o_partial", "lse_partial"]
-    assert names(PagedAttention(8, 8, 64, num_splits=2, fused_merge=True))[-7:-4] == ["lse_partial", "split_counters", "out"]
+    split = lambda **c: Kernel(PagedAttention(8, 8, 64), TVMConfig(**c))  # noqa: E731
+    assert names(split(num_splits=2))[-6:-4] == ["o_partial", "lse_partial"]
+    assert names(split(num_splits=2, fused_merge=True))[-7:-4] == ["lse_partial", "split_counters", "out"]
     assert "lse" in names(PagedAttention(8, 8, 64, return_lse=True))
     assert "positions" in names(ReshapeAndCache(8, 64, rope=True))
 
@@ -122,39 +142,6 @@ def test_validate_rejects_mismatches():
         validate(p)
 
 
-def test_split_kv_pass_rewrites_long_decode_only():
-    long = split_kv(attention_program({"max_kv_len": 32768, "num_tokens": 1, "num_sms": 132}))
-    kinds = [long.op(o).kind for o in long.ops()]
-    assert kinds == ["paged_attention", "merge_state"]
-    assert long.op(long.ops()[0]).num_splits > 1
-    validate(long)
-    short = split_kv(attention_program({"max_kv_len": 512, "num_tokens": 128}))
-    assert [short.op(o).num_splits for o in short.ops()] == [1]
-
-
-def test_choose_num_splits_fills_the_gpu():
-    assert choose_num_splits(8, 32768, 132, 16) >= 32  # 1 seq x 8 kv heads: split until ~2 waves
-    assert choose_num_splits(64 * 8, 4096, 132, 16) == 1  # 512 CTAs already fill 132 SMs twice
-    assert choose_num_splits(8, 256, 132, 16) == 1  # too short to split
-
-
-def test_split_program_computes_the_same_as_unsplit(rng):
-    # a small program whose split rewrite is exercised end to end with the reference executor
-    op = PagedAttention(4, 2, 8, 4, "fp32", "fp32")
-    d = U.attention_inputs(op, rng, [1000], [1])
-    p = Program(hints={"max_kv_len": 1000, "num_tokens": 1, "num_sms": 4})
-    for n in ("q", "k_cache", "v_cache", "token_seq", "page_table", "token_kv_len"):
-        p.add_tensor(n, "int32" if n in ("token_seq", "page_table", "token_kv_len") else "fp32", d[n].shape)
-    p.add_tensor("out", "fp32", d["q"].shape)
-    p.add_op(op, **{n: n for n in ("q", "k_cache", "v_cache", "token_seq", "page_table", "token_kv_len", "out")})
-    arrays = {k: v for k, v in d.items() if isinstance(v, np.ndarray)}
-    want = run_reference(p, arrays)["out"]
-    split_kv(p)
-    assert len(p.ops()) == 2
-    np.testing.assert_allclose(run_reference(p, arrays)["out"], want, atol=1e-12)
-    np.testing.assert_allclose(want, R.paged_attention(op, **arrays)[0], atol=0)
-
-
 def test_dead_op_elimination_drops_unused_ops():
     p = attention_program({})
     p.add_tensor("kv", "fp16", ("L", 2, "N", 16, 8, 128))
@@ -170,18 +157,17 @@ def test_in_place_updates_are_versions():
     matches running the two ops by hand."""
     rng = np.random.default_rng(0)
     write = ReshapeAndCache(2, 8, page_size=4, dtype="fp32", kv_dtype="fp32")
-    attend = PagedAttention(4, 2, 8, 4, "fp32", "fp32", num_splits=2, fused_merge=True)
+    attend = PagedAttention(4, 2, 8, 4, "fp32", "fp32")
     d = U.attention_inputs(attend, rng, [13, 6], [13, 6])
     T = d["num_tokens"]
     p = Program()
     for n in ("q", "k_cache", "v_cache", "token_seq", "page_table", "token_kv_len"):
         p.add_tensor(n, "int32" if n in ("token_seq", "page_table", "token_kv_len") else "fp32", d[n].shape)
-    for n, shape, dt in [("k", (T, 2, 8), "fp32"), ("v", (T, 2, 8), "fp32"), ("slots", (T,), "int64"),
-                         ("counters", (T, 2), "int32")]:
+    for n, shape, dt in [("k", (T, 2, 8), "fp32"), ("v", (T, 2, 8), "fp32"), ("slots", (T,), "int64")]:
         p.add_tensor(n, dt, shape)
     p.add_op(write, k="k", v="v", slot_mapping="slots", k_cache="k_cache", v_cache="v_cache")
     p.add_op(attend, q="q", k_cache="k_cache", v_cache="v_cache", token_seq="token_seq", page_table="page_table",
-             token_kv_len="token_kv_len", split_counters="counters")
+             token_kv_len="token_kv_len")
     out = p.graph.nodes[p.ops()[-1]]["bind"]["out"]
     validate(p)
     assert [p.op(o).kind for o in p.ops()] == ["reshape_and_cache", "paged_attention"]
@@ -192,7 +178,7 @@ def test_in_place_updates_are_versions():
     slots = np.array([table[s, j // 4] * 4 + j % 4 for s, L in enumerate([13, 6]) for j in range(L)], np.int64)
     arrays = {k: v for k, v in d.items() if isinstance(v, np.ndarray)}
     arrays.update(k=rng.standard_normal((T, 2, 8)).astype(np.float32), v=rng.standard_normal((T, 2, 8)).astype(np.float32),
-                  slots=slots, counters=np.zeros((T, 2), np.int32))
+                  slots=slots)
     by_hand = {k: v.copy() for k, v in arrays.items()}
     got = run_reference(p, {k: v.copy() for k, v in arrays.items()})[out]
     R.reshape_and_cache(write, by_hand["k"], by_hand["v"], by_hand["slots"], by_hand["k_cache"], by_hand["v_cache"])

@@ -66,13 +66,13 @@ def test_split_kv_then_merge_equals_unsplit(kv_lens, splits, seed):
     op = PagedAttention(4, 2, 8, 4, "fp32", "fp32", window=int(rng.integers(0, 12)), return_lse=True)
     d = arrays(U.attention_inputs(op, rng, kv_lens, [int(rng.integers(1, n + 1)) for n in kv_lens]))
     out, lse = R.paged_attention(op, **d)
-    o_p, lse_p = R.paged_attention(op.replace(num_splits=splits), **d)
+    o_p, lse_p = R.paged_attention(op, **d, num_splits=splits)
     assert o_p.shape[0] == splits
     mo, ml = R.merge_state(MergeState(4, 8, splits, "fp32"), o_p, lse_p)
     np.testing.assert_allclose(mo, out, atol=1e-12)
     np.testing.assert_allclose(ml, lse, atol=1e-12)
-    fo, fl = R.paged_attention(op.replace(num_splits=splits, fused_merge=True), **d,
-                               split_counters=np.zeros((len(d["q"]), 2), np.int32))  # the fused form: out, lse
+    fo, fl = R.paged_attention(op, **d, split_counters=np.zeros((len(d["q"]), 2), np.int32),
+                               num_splits=splits, fused_merge=True)  # the fused form: out, lse
     np.testing.assert_allclose(fo, out, atol=1e-12)
     np.testing.assert_allclose(fl, lse, atol=1e-12)
 

@@ -14,7 +14,10 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from uacompile import IRError, reference, testing  # noqa: E402
-from uacompile.ir import CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, numpy_dtype  # noqa: E402
+from uacompile.ir import (CopyBlocks, Kernel, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks,  # noqa: E402
+                          as_kernel, numpy_dtype)
+from uacompile.lower.config import TVMConfig  # noqa: E402
+from uacompile.targets.cuda.config import AttentionConfig  # noqa: E402
 from uacompile.lower import tvm_build  # noqa: E402
 from uacompile.lower.tvm_build import cpu_kernel  # noqa: E402
 from uacompile.lower.tvm_kernels import prim_func  # noqa: E402
@@ -36,9 +39,13 @@ def poisoned_outputs(op, sizes):
     return outs
 
 
+def split(op, num_splits, fused_merge=False) -> Kernel:
+    return Kernel(op, TVMConfig(num_splits=num_splits, fused_merge=fused_merge))
+
+
 def run_attention(op, inp):
     outs = poisoned_outputs(op, inp)
-    if op.fused_merge:  # the workspace: zero on entry (and on exit)
+    if as_kernel(op).signature().get("fused_merge"):  # the workspace: zero on entry (and on exit)
         outs["split_counters"] = np.zeros((inp["num_tokens"], op.num_kv_heads), np.int32)
     cpu_kernel(op)(**tensors(inp), **outs)
     return outs
@@ -47,9 +54,9 @@ def run_attention(op, inp):
 def check_attention(op, rng, kv_lens, q_lens=None, inp=None):
     inp = inp or testing.attention_inputs(op, rng, kv_lens, q_lens)
     outs = run_attention(op, inp)
-    ref_o, ref_lse = reference.paged_attention(op, **tensors(inp))
+    ref_o, ref_lse = reference.run(op, **tensors(inp))
     tol = testing.tolerance(op.q_dtype, op.kv_dtype)
-    partials = op.num_splits > 1 and not op.fused_merge
+    partials = "o_partial" in outs and "out" not in outs
     got = outs["o_partial" if partials else "out"].astype(np.float64)
     assert np.isfinite(got).all(), "unwritten (NaN) outputs"
     np.testing.assert_allclose(got, ref_o, atol=tol, rtol=0)
@@ -106,8 +113,7 @@ def test_attention_quantized_kv(rng, op):
 def test_attention_splits_and_merge_state(rng):
     """Split-KV partials match the reference split contract (incl. empty splits), and
     merge_state of them equals the unsplit attention."""
-    split = PagedAttention(8, 2, 64, num_splits=3)
-    inp, outs = check_attention(split, rng, [1, 2, 16, 45, 200], [1, 2, 3, 1, 9])
+    inp, outs = check_attention(split(PagedAttention(8, 2, 64), 3), rng, [1, 2, 16, 45, 200], [1, 2, 3, 1, 9])
     assert np.isneginf(outs["lse_partial"]).any(), "want some empty splits in this case"
     merge = MergeState(8, 64, 3, out_dtype="fp16", return_lse=True)
     merged = poisoned_outputs(merge, inp)
@@ -118,14 +124,14 @@ def test_attention_splits_and_merge_state(rng):
     np.testing.assert_allclose(merged["lse"], full["lse"], atol=1e-4)
 
 
-@pytest.mark.parametrize("op", [PagedAttention(8, 2, 64, num_splits=3, fused_merge=True, return_lse=True),
-                                PagedAttention(8, 4, 64, kv_dtype="int8", window=30, alibi=True, num_splits=4,
-                                               fused_merge=True)], ids=["lse", "int8-window-alibi"])
+@pytest.mark.parametrize("op", [split(PagedAttention(8, 2, 64, return_lse=True), 3, True),
+                                split(PagedAttention(8, 4, 64, kv_dtype="int8", window=30, alibi=True), 4, True)],
+                         ids=["lse", "int8-window-alibi"])
 def test_attention_fused_merge(rng, op):
     """fused_merge writes out (and lse) itself; its partials follow the split contract; the
     counter workspace is zero again afterwards."""
     inp, outs = check_attention(op, rng, [1, 2, 16, 45, 200], [1, 2, 3, 1, 9])
-    ref_o, ref_lse = reference.paged_attention(op.replace(fused_merge=False), **tensors(inp))
+    ref_o, ref_lse = reference.paged_attention(op.op, **tensors(inp), num_splits=op.config.num_splits)
     np.testing.assert_allclose(outs["o_partial"], ref_o, atol=testing.tolerance(op.q_dtype, op.kv_dtype), rtol=0)
     assert (np.isneginf(outs["lse_partial"]) == np.isneginf(ref_lse)).all()
     assert not outs["split_counters"].any()
@@ -140,8 +146,8 @@ def test_unified_masked_equals_ua(rng):
 
 
 def test_unified_masked_all_options(rng):
-    op = PagedAttention(8, 2, 64, page_size=8, q_dtype="fp32", kv_dtype="int8", window=25, alibi=True,
-                        softcap=20.0, num_splits=2, variant="unified_masked")
+    op = split(PagedAttention(8, 2, 64, page_size=8, q_dtype="fp32", kv_dtype="int8", window=25, alibi=True,
+                              softcap=20.0, variant="unified_masked"), 2)
     check_attention(op, rng, [1, 8, 30, 61], [1, 3, 1, 20])
 
 
@@ -352,6 +358,6 @@ def test_bad_ir_and_target():
     with pytest.raises(ValueError, match="target"):
         prim_func(BASE, "rocm")
     with pytest.raises(IRError, match="item_queue"):  # the CUDA Hopper path's schedule: no TVM lowering takes it
-        prim_func(BASE.replace(item_queue=True), "cpu")
+        prim_func(Kernel(BASE, AttentionConfig(item_queue=True)), "cpu")
     with pytest.raises(TypeError, match="op"):
         cpu_kernel({"op": "merge_state"})

@@ -8,7 +8,10 @@ import json
 import pytest
 
 from uacompile.errors import IRError
-from uacompile.ir import CopyBlocks, PagedAttention, ReshapeAndCache, SwapBlocks
+from uacompile.ir import CopyBlocks, Kernel, PagedAttention, ReshapeAndCache, SwapBlocks
+from uacompile.lower.config import TVMConfig
+from uacompile.targets.ascend.config import AscendConfig
+from uacompile.targets.cuda.config import AttentionConfig
 from uacompile.targets.ascend import build
 from uacompile.targets.ascend.generate import ALIGN, SOCS, UB_BYTES, generate, plan, roofline_estimate
 
@@ -16,7 +19,7 @@ VARIANTS = [
     PagedAttention(4, 4, 64, 16),
     PagedAttention(32, 8, 128, 128),
     PagedAttention(8, 2, 128, 128, q_dtype="bf16", kv_dtype="bf16", window=4096, return_lse=True),
-    PagedAttention(8, 1, 64, 16, kv_dtype="int8", softcap=30.0, alibi=True, num_splits=4),
+    Kernel(PagedAttention(8, 1, 64, 16, kv_dtype="int8", softcap=30.0, alibi=True), AscendConfig(num_splits=4)),
     PagedAttention(4, 2, 256, 64, q_dtype="fp32", kv_dtype="fp32"),
     ReshapeAndCache(8, 128, 128),
     ReshapeAndCache(3, 40, 16, dtype="bf16", kv_dtype="bf16"),
@@ -51,8 +54,8 @@ def test_attention_tile_is_the_largest_that_fits():
     (lambda: PagedAttention(4, 4, 48, 16, kv_dtype="int8"), "head_dim"),
     (lambda: PagedAttention(4, 4, 64, 16, kv_dtype="fp8_e4m3"), "kv_dtype"),
     (lambda: PagedAttention(4, 4, 64, 16, variant="unified_masked"), "variant"),
-    (lambda: PagedAttention(4, 4, 64, 16, num_splits=2, fused_merge=True), "fused_merge"),
-    (lambda: PagedAttention(4, 4, 64, 16, item_queue=True), "item_queue"),
+    (lambda: Kernel(PagedAttention(4, 4, 64, 16), TVMConfig(num_splits=2, fused_merge=True)), "fused_merge"),
+    (lambda: Kernel(PagedAttention(4, 4, 64, 16), AttentionConfig(item_queue=True)), "item_queue"),
     (lambda: PagedAttention(64, 1, 2048, 16, q_dtype="fp32", kv_dtype="fp32"), "head_dim"),  # over the UB
     (lambda: ReshapeAndCache(4, 64, 16, rope=True), "rope"),
     (lambda: ReshapeAndCache(4, 20, 16, kv_dtype="int8"), "head_dim"),

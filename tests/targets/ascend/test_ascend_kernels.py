@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from uacompile import reference, testing
-from uacompile.ir import CopyBlocks, PagedAttention, ReshapeAndCache, SwapBlocks
+from uacompile.ir import CopyBlocks, Kernel, PagedAttention, ReshapeAndCache, SwapBlocks
+from uacompile.targets.ascend.config import AscendConfig
 from uacompile.targets.ascend.runner import EmulatorError, load
 from uacompile.targets.ascend.verify import attention_error, bit_equal, run_attention, run_inplace
 
@@ -22,7 +23,7 @@ ATTENTION = {
     "gqa-fp16-int8kv-window": PagedAttention(8, 2, 64, 16, kv_dtype="int8", window=40),
     "gqa-bf16-p128-window-lse": PagedAttention(4, 1, 64, 128, q_dtype="bf16", kv_dtype="bf16", window=200,
                                                return_lse=True),
-    "fp16-softcap-alibi-splits": PagedAttention(4, 2, 32, 16, softcap=20.0, alibi=True, num_splits=3),
+    "fp16-softcap-alibi-splits": Kernel(PagedAttention(4, 2, 32, 16, softcap=20.0, alibi=True), AscendConfig(num_splits=3)),
 }
 
 
