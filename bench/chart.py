@@ -1,6 +1,6 @@
 """The kernel benchmark as a picture: ours against the peers and the targets, from a run's JSON.
 
-    python3 bench/chart.py bench/results/kernels-2026-11-30.json [--out PNG]
+    python3 bench/chart.py bench/results/kernels-2026-12-01.json [--out PNG]
 
 Three panels: decode GB/s per shape (ours at the auto split, FlashInfer tensor-core and CUDA-core,
 torch SDPA on contiguous KV; the 3.8 TB/s target and the copy ceiling as lines), causal prefill

@@ -48,14 +48,14 @@ TOLERANCE = 2e-2  # bf16 output vs SDPA
 
 # name -> design ("k=v,..."; "" = production). See the template's header comment for each knob.
 CANDIDATES = {
-    "default": "",  # production: prologue=spec, merge=lean, grid=flat, pdl=1 (NOTES v15), decode=only
+    "default": "",  # production: prologue=spec, merge=lean, grid=flat, pdl=1, decode=only
     "mixed": "decode=mixed",  # decode steps on the one mixed kernel (before session 11)
     "session3": "prologue=chain,merge=fence,grid=planes,pdl=0",
     "no-spec": "prologue=chain",
     "no-lean": "merge=fence",
     "no-flat": "grid=planes",
     "no-pdl": "pdl=0",
-    # after "|": nvcc flags (the template's experiment switches; NOTES v18)
+    # after "|": nvcc flags (the template's experiment switches)
     "no-l2-hint": "|-DUA_CP_L2_PREFETCH=0",
     "l2-256": "|-DUA_CP_L2_PREFETCH=256",
     "prefill-item-off": "|-DUA_PREFILL_ITEM=0",  # before v23 (prefill per-item cost): decode rows did not move

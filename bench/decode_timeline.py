@@ -1,4 +1,5 @@
-"""Decode timeline probe: where a split-KV decode launch's fixed cost goes (bench/NOTES-attention.md v26).
+"""Decode timeline probe: where a split-KV decode launch's fixed cost goes (docs/attention-rationale.md,
+"What bounds 1x32768").
 
     python3 bench/decode_timeline.py [--shapes 1x32768,1x4096,8x16384] [--samples 20] [--json PATH]
 

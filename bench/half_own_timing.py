@@ -1,11 +1,10 @@
-"""Production (-DUA_PREFILL_HALF_OWN=1: the half-wide last tile's scores in registers of their own) against the
-scores aliasing the first half of S (=0, main's SASS before v37), on the launches whose split counts ptxas
-serialised (C7511) in main's build: prefill chunks at long context (8, 11, 16 splits), plus the benchmarks'
-rows (1 split: 8x4096 prefill; decode 8x16384, 4 splits), which were clean in both. bench/NOTES-attention.md v37.
-One library a design (each built in its own process), paged_attention() with kernel_of, both timed in one
-interleaved timing (timing.time_graphs); each row says which code shape build() kept and whether ptxas
-serialised that kernel (build.json), and checks the two outputs bit for bit (random data; no NaN). Run on the
-device (~1-2 min, builds included):
+"""Production (-DUA_PREFILL_HALF_OWN=1: the half-wide last tile's scores in registers of their own) against the scores
+aliasing the first half of S (=0, main's SASS before v37), on the launches whose split counts ptxas serialised (C7511)
+in main's build: prefill chunks at long context (8, 11, 16 splits), plus the benchmarks' rows (1 split: 8x4096 prefill;
+decode 8x16384, 4 splits), which were clean in both (docs/attention-rationale.md, "ptxas' wgmma serialisation"). One
+library a design (each built in its own process), paged_attention() with kernel_of, both timed in one interleaved timing
+(timing.time_graphs); each row says which code shape build() kept and whether ptxas serialised that kernel (build.json),
+and checks the two outputs bit for bit (random data; no NaN). Run on the device (~1-2 min, builds included):
 
     python3 bench/half_own_timing.py [--json PATH]
 """

@@ -1,4 +1,5 @@
-"""Prefill timeline probe: where a Hopper prefill item's time goes (bench/NOTES-attention.md v31).
+"""Prefill timeline probe: where a Hopper prefill item's time goes (docs/attention-rationale.md,
+"At the power cap").
 
     python3 bench/prefill_timeline.py [--shapes 8x4096,2x16384] [--samples 5] [--heads 32/8] [--json PATH]
 

@@ -32,8 +32,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 # quant=lean,amax=packed under every candidate; RoPE's run through the cp.async ring, where oneshot
 # changes nothing). Registers are sm_90 ptxas counts of the big-task kernel (the min_blocks caps
 # also cap RoPE's float64 math, which then spills: read those in the other columns).
-# Dropped after the 2026-11-30 sweeps (bench/results/reshape-sweep-2026-11-30.log and
-# reshape-sweep-lean-2026-11-30.log), where they lost to the production choice: stages2/3/4 and
+# Dropped after the 2026-11-30 sweeps (in git history), where they lost to the production choice: stages2/3/4 and
 # stages4-t128 without a persistent grid, rows1/4, stages3-rows1, waves1/2 (register pipeline),
 # threads128/512, minblocks4, mb5, mb8, stages2-minblocks4, steps1, slowquant, neox-reload,
 # group 4/8, prefetch 1024/2048/4096; lean and lean-packed are production.

@@ -1,7 +1,7 @@
 """Which paged_attention kernels ptxas serialises (wgmma C7511) in each code shape: a CPU compile census.
 
     python3 bench/wgmma_census.py                      # every config, every variant: a table on stdout
-    python3 bench/wgmma_census.py --configs bf16-32-8-128 --variants dynamic --out bench/results/x.md
+    python3 bench/wgmma_census.py --configs bf16-32-8-128 --variants dynamic --out census.md
 
 For each op in the census and each code shape (attention.CODE_SHAPES) the op is rendered in that shape and
 compiled by nvcc to a cubin (device code only, the build's flags: ptxas sees what build() gives it; many ops

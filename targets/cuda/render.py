@@ -90,9 +90,8 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
     if unknown:
         raise ValueError(f"reshape_and_cache design: unknown knobs {sorted(unknown)}")
     # Production knobs of quantised caches without RoPE; a candidate's knobs override them.
-    # H200 (bench/results/reshape-sweep-lean-2026-11-30.log): lean + packed 78% / 80% of the copy
-    # ceiling for int8 / fp8 against the classic path's 72% / 75%, bit-exact; a min_blocks=5 cap
-    # gains 2% on int8 but spills, so it is left out.
+    # Lean + packed beat the classic path for int8 / fp8, bit-exact; a min_blocks=5 cap gains on int8
+    # but spills, so it is left out.
     quantized_choice = dict(quant="lean", amax="packed")
     if op.quantized and not op.rope:
         design = {**quantized_choice, **design}

@@ -34,12 +34,39 @@ def _kernels(monkeypatch):
     return importlib.import_module("kernels")
 
 
-def test_targets_are_checked_from_the_committed_table(monkeypatch):
-    """bench/kernels.py's target table, from the rows of the committed H200 run."""
-    import json
+def _kernels_run() -> dict:
+    """A bench/kernels.py run's meta with a row of every kind its targets and chart read (made-up numbers)."""
+    rows = [dict(op="copy", shape="1 GiB", impl="torch copy_ (ceiling)", gbps=4250.0, ms=0.505)]
+    for k, (shape, splits) in enumerate((("8x16384", 4), ("32x4096", 1), ("128x1024", 1), ("1x32768", 32))):
+        for impl, gbps in ((f"ua splits={splits} (auto)", 4150.0 - 200 * k), ("ua splits=2", 2000.0),
+                           ("FlashInfer tensor-core", 4000.0), ("FlashInfer CUDA-core", 2700.0),
+                           ("torch SDPA contiguous", 4200.0 - 150 * k)):
+            rows.append(dict(op="decode", shape=shape, impl=impl, gbps=gbps, ms=round(537e3 / gbps / 1e3, 4)))
+    for shape, ours, sdpa, fi in (("8x4096 causal", 523.0, 531.0, 472.0), ("2x16384 causal", 592.0, 579.0, 524.0)):
+        for impl, tf in (("ua", ours), ("torch SDPA contiguous", sdpa), ("FlashInfer paged", fi)):
+            rows.append(dict(op="prefill", shape=shape, impl=impl, tflops=tf, ms=round(1.1e3 / tf, 4)))
+    for shape, pct, ms in (("T=32768 Hkv=8 D=128 P=16 fp16->fp16", 89.3, 0.0708),
+                           ("T=32768 Hkv=8 D=128 P=16 bf16->int8", 86.2, 0.0555),
+                           ("T=32768 Hkv=8 D=128 P=16 bf16->bf16 +rope", 86.8, 0.0728),
+                           ("T=256 Hkv=8 D=128 P=16 bf16->bf16", 28.4, 0.0017)):  # launch-bound: no target row
+        rows.append(dict(op="reshape_and_cache", shape=shape, impl="uacompile", gbps=42.5 * pct, ms=ms,
+                         pct_ceiling=pct))
+    rows.append(dict(op="copy_blocks", shape="L=32 pairs=256 P=16 Hkv=8 D=128 bf16", impl="uacompile (1 launch)",
+                     gbps=3808.0, ms=0.282, pct_ceiling=89.5))
+    for way, pct in (("d2h", 94.3), ("h2d", 91.9)):
+        rows.append(dict(op="swap_blocks", shape=f"{way} L=32 pairs=128 P=16 Hkv=8 D=128 bf16 (256 MiB)",
+                         impl="uacompile (1 launch, zero-copy)", gbps=52.0, ms=5.2, pct_memcpy=pct))
+    for k, op in enumerate(("reshape_and_cache", "paged_attention", "merge_state")):
+        rows.append(dict(op="build", shape=f"{op} {k:012x}", impl="nvcc cold build", ms=2000.0 + 1500 * k))
+        rows.append(dict(op="build", shape=f"{op} {k:012x}", impl="cached load (key+render+dlopen)", ms=2.5 + k))
+    return dict(gpu="NVIDIA H200", date="2026-12-01", torch="2.11.0+cu130", copy_ceiling_gbps=4250.0, notes=[],
+                rows=rows)
 
+
+def test_targets_are_checked_from_a_run(monkeypatch):
+    """bench/kernels.py's target table, from the rows of a run."""
     kernels = _kernels(monkeypatch)
-    rows = json.loads((BENCH / "results" / "kernels-2026-11-30.json").read_text())["rows"]
+    rows = _kernels_run()["rows"]
     checks = {(c["target"], c["shape"]): c for c in kernels.target_checks(rows)}
     by = {(r["op"], r["shape"], r["impl"]): r for r in rows}
     autos = [r for r in rows if r["op"] == "decode" and r["impl"].startswith("ua") and r["impl"].endswith("(auto)")]
@@ -67,27 +94,27 @@ def test_a_target_row_is_met_at_its_goal_and_missed_below(monkeypatch):
 def test_rerender_rebuilds_the_report_from_a_json(tmp_path):
     import json
 
-    src = BENCH / "results" / "kernels-2026-11-30.json"
-    out = subprocess.run([sys.executable, str(BENCH / "kernels.py"), "--rerender", str(src), "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps(_kernels_run()))
+    out = subprocess.run([sys.executable, str(BENCH / "kernels.py"), "--rerender", str(src), "--out",
+                          str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    meta = json.loads((tmp_path / "kernels-2026-11-30.json").read_text())
+    meta = json.loads((tmp_path / "out" / "kernels-2026-12-01.json").read_text())
     assert meta["rows"] == json.loads(src.read_text())["rows"] and meta["targets"]
-    md = (tmp_path / "kernels-2026-11-30.md").read_text()
+    md = (tmp_path / "out" / "kernels-2026-12-01.md").read_text()
     assert "## Targets" in md and "| decode GB/s >= 3800 | 1x32768 |" in md
     if importlib.util.find_spec("matplotlib"):  # a dev dependency: the chart comes with the table
-        assert (tmp_path / "kernels-2026-11-30.png").stat().st_size > 20_000 and "(kernels-2026-11-30.png)" in md
+        png = tmp_path / "out" / "kernels-2026-12-01.png"
+        assert png.stat().st_size > 20_000 and "(kernels-2026-12-01.png)" in md
 
 
 def test_chart_draws_every_panel_from_a_run(tmp_path, monkeypatch):
-    """bench/chart.py: the decode, prefill and cache-op panels of the committed run, its bars the JSON's numbers."""
+    """bench/chart.py: the decode, prefill and cache-op panels of a run, its bars the JSON's numbers."""
     pytest.importorskip("matplotlib")
-    import json
 
     monkeypatch.syspath_prepend(str(BENCH))
     chart = importlib.import_module("chart")
-    meta = json.loads((BENCH / "results" / "kernels-2026-11-30.json").read_text())
-    png = chart.draw(meta, tmp_path / "k.png")
+    png = chart.draw(_kernels_run(), tmp_path / "k.png")
     assert png.stat().st_size > 20_000
     assert chart._label("reshape_and_cache % of copy ceiling >= 85", "T=32768 Hkv=8 D=128 P=16 bf16->bf16 +rope") \
         == "reshape\nbf16 to\nbf16\n+rope"
@@ -163,30 +190,45 @@ def test_decode_candidates_time_the_ops_production_launches(monkeypatch):
         assert not op.decode_only and op.item_queue == (kv == "bf16"), (kv, B, L)
 
 
+def _variants_run(sweep, names, date="2026-12-01") -> dict:
+    """A variant_sweep run's meta for the named geometries (its fields; made-up timings)."""
+    rows = []
+    for k, v in enumerate(x for x in sweep.VARIANTS if x.name in names):
+        geo = dict(variant=v.name, model=v.model, hq=v.hq, hkv=v.hkv, d=v.d, p=v.p, dtype=v.dtype)
+        ratio = round(0.8 + 0.02 * k, 4)
+        rows.append(dict(geo, op="decode", shape=f"{sweep.DECODE_B}x{v.decode_len()}", splits=2, ms=0.13,
+                         sdpa_ms=round(0.13 * ratio, 4), gbps=4100.0, sdpa_gbps=round(4100 / ratio, 4), ratio=ratio,
+                         diff=0.0005))
+        rows.append(dict(geo, op="prefill", shape=f"{sweep.PREFILL_B}x{sweep.PREFILL_L} causal", ms=1.0, sdpa_ms=ratio,
+                         tflops=500.0, sdpa_tflops=round(500 / ratio, 4), ratio=ratio, diff=0.0039))
+    return dict(gpu="NVIDIA H200", date=date, copy_gbps=4249.0, rows=rows)
+
+
 def test_variant_sweep_rerenders_a_run_and_times_the_launched_ops(tmp_path, monkeypatch):
-    """bench/variant_sweep.py: --rerender rebuilds the table (and chart) from a committed H200 run; its ops are
-    the ones paged_attention() launches for each geometry (decode-only at the auto split, the prefill op)."""
+    """bench/variant_sweep.py: --rerender rebuilds the table (and chart) from a run, an earlier one drawn behind
+    it; its ops are the ones paged_attention() launches for each geometry (decode-only at the auto split, the
+    prefill op)."""
     import json
 
     from uacompile.targets.cuda import attention
 
     monkeypatch.syspath_prepend(str(BENCH))
     sweep = importlib.import_module("variant_sweep")
-    src = BENCH / "results" / "variants-2026-12-01-s13.json"
-    before = BENCH / "results" / "variants-2026-12-01-s12.json"
-    out = subprocess.run([sys.executable, str(BENCH / "variant_sweep.py"), "--rerender", str(src), "--out", str(tmp_path),
-                          "--before", str(before)], capture_output=True, text=True, timeout=120)
+    names = [v.name for v in sweep.VARIANTS]
+    src, before = tmp_path / "variants-2026-12-01.json", tmp_path / "variants-2026-11-30.json"
+    src.write_text(json.dumps(_variants_run(sweep, names)))
+    before.write_text(json.dumps(_variants_run(sweep, names[:-1], date="2026-11-30")))  # a run without the last one
+    out = subprocess.run([sys.executable, str(BENCH / "variant_sweep.py"), "--rerender", str(src), "--out",
+                          str(tmp_path / "out"), "--before", str(before)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(src.read_text())["rows"]
-    md = (tmp_path / "variants-2026-12-01-s13.md").read_text()
-    names = [v.name for v in sweep.VARIANTS]  # that run's variants: all but those added since (d64page1)
-    assert len(rows) == 2 * (len(names) - 1) and {r["variant"] for r in rows} < set(names)
-    assert md.count("\n| ") == len(rows) + 1
+    md = (tmp_path / "out" / "variants-2026-12-01.md").read_text()
+    assert len(rows) == 2 * len(names) and md.count("\n| ") == len(rows) + 1
     assert "| d256 | Gemma-2-9B | 16/8 | 256 | 16 | bf16 | prefill |" in md
     assert "| page1 | page 1 | 32/8 | 128 | 1 | bf16 | prefill |" in md
-    assert "Dotted lines: the ratio in variants-2026-12-01-s12.json" in md  # the before run's label
+    assert "Dotted lines: the ratio in variants-2026-11-30.json (2026-11-30)" in md  # the before run's label
     if importlib.util.find_spec("matplotlib"):
-        assert (tmp_path / "variants-2026-12-01-s13.png").stat().st_size > 20_000
+        assert (tmp_path / "out" / "variants-2026-12-01.png").stat().st_size > 20_000
     for v in sweep.VARIANTS:
         decode, splits, prefill = sweep.launched_ops(v)
         assert decode.decode_only and decode.num_splits == splits and not prefill.decode_only
@@ -198,15 +240,12 @@ def test_variant_sweep_rerenders_a_run_and_times_the_launched_ops(tmp_path, monk
 def test_variant_sweep_takes_another_wgmma_tile(monkeypatch, tmp_path):
     """--wg-tile W=BNxST overrides attention.WG_TILE for a run (a next tile to measure, e.g. D 64 at 192 positions),
     refuses a malformed or impossible one, and the report says which tiles ran."""
-    import json
-
     monkeypatch.syspath_prepend(str(BENCH))
     sweep = importlib.import_module("variant_sweep")
     assert sweep.parse_wg_tiles(["64=192x4", "128=128x2"]) == {64: (192, 4), 128: (128, 2)}
     for bad in ("64=192", "96=128x2", "64=200x2", "64=272x2", "64=128x0"):
         with pytest.raises(SystemExit):
             sweep.parse_wg_tiles([bad])
-    meta = json.loads((BENCH / "results" / "variants-2026-12-01-s13.json").read_text())
-    meta["wg_tile"] = {"64": "192x4"}
+    meta = dict(_variants_run(sweep, ["d64", "base"]), wg_tile={"64": "192x4"})
     assert "Hopper prefill tiles changed for this run (row width: positions x stages): 64: 192x4." in \
         sweep.report(meta, tmp_path, "v")

@@ -118,8 +118,8 @@ def test_reshape_sweep_candidates_compile(name, monkeypatch):
 
 @pytest.mark.parametrize("flags", ["-DUA_CP_L2_PREFETCH=0", "-DUA_CP_L2_PREFETCH=256"])
 def test_attention_load_hint_switches_compile(flags, monkeypatch):
-    """The K/V load hint experiment switches (UACOMPILE_NVCC_FLAGS, bench/NOTES-attention.md v18) still
-    build and change the cache key."""
+    """The K/V load hint experiment switches (UACOMPILE_NVCC_FLAGS; docs/attention-rationale.md, "K/V tile
+    layout") still build and change the cache key."""
     from uacompile.targets.cuda.build import build
 
     op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16")
@@ -134,7 +134,7 @@ def test_attention_load_hint_switches_compile(flags, monkeypatch):
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # decode groups on both; sm_80 also the mma.sync prefill tiles
 def test_attention_tile_swizzle_switch_compiles(flags, splits, arch, monkeypatch):
     """The 16-bit K/V tile layout switch (swizzled rows by default, -DUA_TILE_SWIZZLE=0 the padded ones:
-    bench/NOTES-attention.md v36) builds either way on both paths; =0 changes the cache key."""
+    docs/attention-rationale.md, "K/V tile layout") builds either way on both paths; =0 changes the cache key."""
     from uacompile.targets.cuda.build import build
 
     op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16", num_splits=splits, fused_merge=splits > 1)
@@ -151,7 +151,7 @@ def test_attention_tile_swizzle_switch_compiles(flags, splits, arch, monkeypatch
 ])
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # the wgmma consumer loop; the mma.sync path's softmax_core
 def test_attention_lean_softmax_switch_compiles(op, arch, monkeypatch):
-    """-DUA_SOFTMAX_LEAN=0 (the loop before the lean softmax, bench/NOTES-attention.md v21) builds on
+    """-DUA_SOFTMAX_LEAN=0 (the loop before the lean softmax, docs/attention-rationale.md) builds on
     both paths and changes the cache key."""
     from uacompile.targets.cuda.build import build
 
@@ -163,7 +163,7 @@ def test_attention_lean_softmax_switch_compiles(op, arch, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # the wgmma item loop and producers; the mma.sync path's runs
 def test_prefill_item_switch_compiles(arch, monkeypatch):
-    """-DUA_PREFILL_ITEM=0 (the code before v23's lower per-item cost, bench/NOTES-attention.md) builds
+    """-DUA_PREFILL_ITEM=0 (the code before the lower per-item cost, docs/attention-rationale.md) builds
     the dynamic and static Hopper schedules, the masked and scaled softmax at D 64, and the mma.sync
     path, and changes the cache key."""
     from uacompile.targets.cuda.build import build
@@ -183,7 +183,7 @@ def test_prefill_item_switch_compiles(arch, monkeypatch):
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # the wgmma consumers' run boundary; the mma.sync path ignores it
 def test_prefill_overlap_switch_compiles(arch, monkeypatch):
     """-DUA_PREFILL_OVERLAP=0 (the code before v25: a run's last O += P V in the run's own turn, its rows stored
-    before the next run's S(0); bench/NOTES-attention.md v25) builds the dynamic and static Hopper schedules, the
+    before the next run's S(0); docs/attention-rationale.md) builds the dynamic and static Hopper schedules, the
     masked and scaled softmax at D 64 with split-KV partials, the fused merge and the mma.sync path, and changes
     the cache key; the benchmarks' launches keep their wgmmas unserialised with it (C7511 / C7514 / C7515)."""
     from uacompile.targets.cuda import attention
@@ -214,7 +214,7 @@ QUANT_FAST_OPS = [  # every quantised decode shape the raw-stage path takes (D 6
 @pytest.mark.skipif(not HAVE_ATTENTION, reason="targets/cuda/attention.py not written yet")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_quant_fast_switch_compiles(arch, monkeypatch):
-    """Quantised decode on the raw K/V stage (production, bench/NOTES-attention.md v22) and the
+    """Quantised decode on the raw K/V stage (production, docs/attention-rationale.md, "Quantised KV") and the
     dequantising pass (-DUA_QUANT_FAST=0) build for int8 and fp8 KV on both paths; the flag changes
     the cache key."""
     from uacompile.targets.cuda.build import build
@@ -393,7 +393,7 @@ def test_benchmark_launches_keep_wgmma_unserialised(tmp_path, monkeypatch):
     assert not [w for w in warnings if "wgmma" in w], warnings
 
 
-# The census' worst cases (bench/wgmma_census.py; bench/results/wgmma-census-2026-11-30.md): before v37, ptxas
+# The census' worst cases (bench/wgmma_census.py): before the half tile's own scores, ptxas
 # serialised their wgmmas (C7511) in every code shape, so build() kept a serialised kernel (0.72x prefill): the
 # benchmarks' config at 8 and 24 splits, and a GPU-test config (D 64, fp16) at one split; and the benchmarks' 1-split op
 WGMMA_WORST = [(PA(32, 8, 128, 16, "bf16", "bf16"), 8), (PA(32, 8, 128, 16, "bf16", "bf16"), 24),
@@ -401,12 +401,12 @@ WGMMA_WORST = [(PA(32, 8, 128, 16, "bf16", "bf16"), 8), (PA(32, 8, 128, 16, "bf1
 
 
 def test_census_worst_cases_keep_wgmma_unserialised_in_code_shape_0(tmp_path, monkeypatch):
-    """The half-wide last tile's scores in registers of their own (bench/NOTES-attention.md v37): the launched ops
-    that ptxas serialised in every code shape build unserialised in shape 0, which build() keeps; with
-    -DUA_PREFILL_HALF_OWN=0 (the scores in the first half of s) the benchmarks' 1-split op serialises again in
-    every shape, so this test sees what it guards. (Which other ops serialise without v37 moves with small changes
-    elsewhere: session 13's producer change unserialised the 8-split op, session 14's D 64 tile of 192 positions
-    the D 64 one.)"""
+    """The half-wide last tile's scores in registers of their own (docs/attention-rationale.md, "ptxas' wgmma
+    serialisation"): the launched ops that ptxas serialised in every code shape build unserialised in shape 0, which
+    build() keeps; with -DUA_PREFILL_HALF_OWN=0 (the scores in the first half of s) the benchmarks' 1-split op
+    serialises again in every shape, so this test sees what it guards. (Which other ops serialise without v37 moves with
+    small changes elsewhere: session 13's producer change unserialised the 8-split op, session 14's D 64 tile of 192
+    positions the D 64 one.)"""
     from uacompile.targets.cuda import attention
     from uacompile.targets.cuda.build import build
 
@@ -556,7 +556,7 @@ def _launched_ptx(op, tmp_path, *extra) -> str:
 def test_q_l2_prefetch_only_for_rows_of_a_kilobyte(tmp_path):
     """The Hopper V producer prefetches an item's Q rows into L2 (cp.async.bulk.prefetch.L2, one a token) only where
     a token's G heads take >= UA_Q_PREFETCH_MIN (1024) bytes: MHA's 128 prefetches of 256 B an item delayed the V
-    tiles behind them (bench/NOTES-attention.md, session 12). Checked in the PTX nvcc emits."""
+    tiles behind them (docs/attention-rationale.md, "Head dims"). Checked in the PTX nvcc emits."""
     def prefetches(op) -> int:
         return _launched_ptx(op, tmp_path).count("cp.async.bulk.prefetch.L2")
 
@@ -566,7 +566,7 @@ def test_q_l2_prefetch_only_for_rows_of_a_kilobyte(tmp_path):
 
 def test_small_pages_take_the_cp_async_producer_unserialised(tmp_path, monkeypatch):
     """Pages under 8 positions run the Hopper path with a cp.async producer (TMA boxes of 1-4 rows are correct but
-    cost ~20-30 cycles each: bench/NOTES-attention.md, session 13). In the PTX: each producer lane arrives on the
+    cost ~20-30 cycles each: docs/attention-rationale.md, "Small pages"). In the PTX: each producer lane arrives on the
     stage's full barrier after its copies, the consumers fence the generic-proxy writes before wgmma reads them,
     and no K/V tensor copy is left; page 16 keeps TMA, and -DUA_CP_PRODUCER_BELOW=1 gives page 1 TMA boxes back.
     The launched page-1 ops (one split, fused split-KV) build without serialised wgmma."""

@@ -1,4 +1,4 @@
-"""The decode timeline probe (-DUA_DECODE_TIMELINE, bench/decode_timeline.py, bench/NOTES-attention.md v26).
+"""The decode timeline probe (-DUA_DECODE_TIMELINE, bench/decode_timeline.py).
 
 CPU: the switch builds on both decode paths and leaves production alone; the library reports the
 buffer layout the script parses; the script's summary on a synthetic stamp buffer. GPU: the probe

@@ -1,12 +1,11 @@
 """The half-wide last tile's scores in registers of their own (templates/cuda/attention_wgmma.cuh.j2 HALF_OWN,
-bench/NOTES-attention.md v37): production (-DUA_PREFILL_HALF_OWN=1) and the scores in the first half of S as
-before (=0), each design built in its own process, run through paged_attention() (the launched item-queue ops,
-the fused merge) on prefill chunks whose runs end in half-wide tiles. Each is checked against the float64
-reference with poisoned outputs, and the two against each other bit for bit (the same wgmmas and arithmetic,
-other registers). Split counts: the benchmarks' 1 and the census' worst case 8 (serialised in every code shape
-before v37, bench/results/wgmma-census-2026-11-30.md). 4 and 24 also passed in session 10; they are left out
-because this module's builds took 181 s of the suite (the aliased design rebuilds most ops in further code
-shapes). D 128, D 64, the masked softmax.
+docs/attention-rationale.md, "ptxas' wgmma serialisation"): production (-DUA_PREFILL_HALF_OWN=1) and the scores in the
+first half of S as before (=0), each design built in its own process, run through paged_attention() (the launched
+item-queue ops, the fused merge) on prefill chunks whose runs end in half-wide tiles. Each is checked against the
+float64 reference with poisoned outputs, and the two against each other bit for bit (the same wgmmas and arithmetic,
+other registers). Split counts: the benchmarks' 1 and the census' worst case 8 (serialised in every code shape before
+the half tile's own scores, bench/wgmma_census.py). 4 and 24 also passed; they are left out because this module's builds
+took 181 s of the suite (the aliased design rebuilds most ops in further code shapes). D 128, D 64, the masked softmax.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The prefill timeline probe (-DUA_PREFILL_TIMELINE, bench/prefill_timeline.py, bench/NOTES-attention.md v31).
+"""The prefill timeline probe (-DUA_PREFILL_TIMELINE, bench/prefill_timeline.py).
 
 CPU: the switch builds (sm_90: the persistent Hopper blocks stamp; sm_80: nothing to stamp) and leaves
 production alone; the library reports the layout the script parses; the template's points are the script's;

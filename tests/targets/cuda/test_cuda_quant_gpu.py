@@ -1,4 +1,4 @@
-"""Quantised-KV decode on the raw 8-bit K/V stage (production since v22, bench/NOTES-attention.md).
+"""Quantised-KV decode on the raw 8-bit K/V stage (docs/attention-rationale.md, "Quantised KV").
 
 Decode warps attend the raw 8-bit K/V stage directly (register conversion, scales applied to the
 scores and to P); -DUA_QUANT_FAST=0 builds the earlier dequantising pass. Each design is built in its

@@ -1,5 +1,5 @@
-"""The 16-bit K/V tile layout (templates/cuda/paged_attention.cu.j2 `tile_off`, bench/NOTES-attention.md
-v36): swizzled 128-byte rows by default (session 9), padded rows with -DUA_TILE_SWIZZLE=0. Both layouts are forced
+"""The 16-bit K/V tile layout (templates/cuda/paged_attention.cu.j2 `tile_off`, docs/attention-rationale.md,
+"K/V tile layout"): swizzled 128-byte rows by default, padded rows with -DUA_TILE_SWIZZLE=0. Both layouts are forced
 on every split count (-DUA_TILE_SWIZZLE=1 / =0, each design built in its own process) and checked against
 the float64 reference with poisoned outputs: Hopper decode groups (sm_90 build) and, in an sm_80 build, the
 mma.sync decode and prefill tiles, on decode-only and mixed ubatches; D 64, 128, 256, and D 80 (padded rows

@@ -2,7 +2,7 @@
 float64 reference on the GPU, over the shapes that stress it: long prompts (many tiles, the TMA
 stages wrap around), chunks that start mid-sequence, many short sequences sharing one 64-row
 tile (the stage barriers' phases carry across runs), and mixed ubatches. With item_queue (the
-dynamic schedule, bench/NOTES-attention.md v17) min(items, SMs) persistent prefill blocks take
+dynamic schedule, docs/attention-rationale.md, "The dynamic tile queue") min(items, SMs) persistent prefill blocks take
 (tile, KV head, split group) items from an atomic queue behind every decode block of a 1-D grid;
 further cases make every block take several items (the token-window ring and the stage tickets
 carry across items), a very uneven ubatch (one 16K prompt and many short ones), split-KV with the
@@ -329,7 +329,7 @@ def test_dynamic_two_streams(api, dynamic_knob):
 
 
 
-# ------------------------------------------- the loop before the lean softmax, -DUA_SOFTMAX_LEAN=0 (NOTES v21)
+# ------------------------------------------- the loop before the lean softmax, -DUA_SOFTMAX_LEAN=0
 # Production is lean; the earlier loop stays buildable for comparison and must give the same bits.
 LEAN_FLAGS = "-DUA_SOFTMAX_LEAN=0"
 # the benchmarks' shape, D 64 (6 stages: the stage cursor wraps at another count), the masked and scaled
@@ -400,7 +400,7 @@ def test_softmax_lean_off_same_bits_as_production(api, queue):
     same_bits_as_production("lean-off", api, LEAN_FLAGS, (), op, inputs, PRODUCTION, ref)
 
 
-# ------------------------------- the code before v23's lower per-item cost, -DUA_PREFILL_ITEM=0 (NOTES v23)
+# ------------------------------- the code before v23's lower per-item cost, -DUA_PREFILL_ITEM=0
 # Production (v23): runs found by ballot, Q prefetched into L2 by the V producer and staged
 # by cp.async under the rows' range reads, a run's last tile at half width when its second half is masked in
 # every row. The earlier code (ITEM_FLAGS) must give the same values: the same runs, Q, scores, maxima, sums and O (the skipped half
@@ -454,7 +454,7 @@ def test_prefill_item_off_mixed_ubatch(api, splits):
     same_bits_as_production(f"item-mixed/s{splits}", api, ITEM_FLAGS, ITEM_OPS, op, inputs, SMALL, ref)
 
 
-# ------------------------------- the code before v25's overlapped run boundary, -DUA_PREFILL_OVERLAP=0 (NOTES v25)
+# ------------------------------- the code before v25's overlapped run boundary, -DUA_PREFILL_OVERLAP=0
 # Production (v25): a run's last O += P V is issued in the warpgroup's next run's first turn, ahead of its S(0),
 # and the run's rows are stored while S(0) runs; a run that sees no position (split-KV), the fused merge (which leaves the
 # switch off) and the block's end issue it in a turn of its own. Same values: the same GEMMs on the same
