@@ -17,7 +17,7 @@ from uacompile.cache import cached_build, content_hash, toolchain_versions
 from uacompile.errors import IRError
 from uacompile.ir import OpSpec
 
-from .generate import DEFAULT_SOC, EMULATOR_DIR, STATUS, generate
+from .generate import DEFAULT_SOC, EMULATOR_DIR, STATUS, KernelSources, generate
 from .runner import EmulatedKernel
 from .verify import verify
 
@@ -68,18 +68,21 @@ def emulator_library(op: OpSpec, soc: str = DEFAULT_SOC, mode: str = "npu") -> P
     if mode not in MODES:
         raise ValueError(f"mode: must be one of {sorted(MODES)}, got {mode!r}")
     src = generate(op, soc)
-    flags = STD + EMU_BUILD_FLAGS + MODES[mode]
     key = content_hash("ascend-emu", op.to_dict(), soc, sorted(src.files.items()), _emulator_text(),
-                       toolchain_versions(CXX), flags)
+                       toolchain_versions(CXX), STD + EMU_BUILD_FLAGS + MODES[mode])
+    folder, _ = cached_build("ascend-emu", key, lambda tmp: build_emulator(src, tmp, mode))
+    return folder / f"lib{src.symbol}.so"
+
+
+def build_emulator(src: KernelSources, folder, mode: str = "npu") -> Path:
+    """Write src into folder and g++-build its kernel + launcher against the emulator (one
+    translation unit, uncached); path of the .so. emulator_library is the cached form."""
+    folder = Path(folder)
+    src.write(folder)
+    units = ([f"{src.symbol}_kernel.cpp"] if src.kernel else []) + [f"{src.symbol}_host.cpp"]
+    (folder / "unity.cpp").write_text("".join(f'#include "{u}"\n' for u in units))
     lib = f"lib{src.symbol}.so"
-
-    def build(tmp: Path) -> None:
-        src.write(tmp)
-        units = ([f"{src.symbol}_kernel.cpp"] if src.kernel else []) + [f"{src.symbol}_host.cpp"]
-        (tmp / "unity.cpp").write_text("".join(f'#include "{u}"\n' for u in units))
-        _run([CXX, *flags, *_includes(tmp), "unity.cpp", "-o", lib], cwd=tmp)
-
-    folder, _ = cached_build("ascend-emu", key, build)
+    _run([CXX, *STD, *EMU_BUILD_FLAGS, *MODES[mode], *_includes(folder), "unity.cpp", "-o", lib], cwd=folder)
     return folder / lib
 
 
