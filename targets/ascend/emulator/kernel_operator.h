@@ -4,7 +4,9 @@
 // where the hardware silently misbehaves (DataCopy rounding a byte count down, a queue
 // used out of order, UB overflow, unsynchronised scalar/vector access) the emulator
 // throws ua_emu::Error with a one-line reason instead. Where the public description is
-// vague we pick the stricter reading and say so next to the code.
+// vague we pick the stricter reading and say so next to the code. The documented contract
+// it enforces (queue buffers per position, event IDs, the A2 Cast table, Reciprocal's
+// accuracy, ...) is listed with its sources in targets/ascend/README.md.
 #pragma once
 
 #include <cmath>

@@ -1,6 +1,6 @@
 // Self-tests of the emulator's documented edge semantics and of its rejections. Each
 // st_* entry runs a tiny kernel through ICPU_RUN_KF on caller buffers and returns 0, or
-// 1 with the emulator's message in st_last_error(). tests/test_ascend_emulator.py checks
+// 1 with the emulator's message in st_last_error(). tests/targets/ascend/test_ascend_emulator.py checks
 // the results against numpy; this file only drives the API.
 #include <cmath>
 #include <string>
