@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from .errors import IRError
-from .ir import MergeState, OpSpec, PagedAttention, TensorSpec
+from .ir import OpSpec, TensorSpec
 
 
 @dataclass
 class Program:
     graph: nx.DiGraph = field(default_factory=nx.DiGraph)
-    hints: dict = field(default_factory=dict)  # e.g. {"max_kv_len": 32768, "num_sms": 132}
     _count: int = 0
     _latest: dict = field(default_factory=dict)  # tensor name -> its newest version node
     _previous: dict = field(default_factory=dict)  # version node -> the node it updated
@@ -110,42 +109,6 @@ def validate(prog: Program) -> Program:
         writers = list(g.predecessors(t))
         if len(writers) > 1:
             raise IRError(f"tensor {t}", f"is written by several ops: {writers}")
-    return prog
-
-
-def choose_num_splits(num_ctas_per_token: int, max_kv_len: int, num_sms: int, page_size: int,
-                      min_chunk: int = 256, max_splits: int = 64) -> int:
-    """Occupancy rule: split until the grid fills the GPU, never below min_chunk positions."""
-    splits = 1
-    while (num_ctas_per_token * splits < 2 * num_sms and splits < max_splits
-           and max_kv_len / (2 * splits) >= max(min_chunk, page_size)):
-        splits *= 2
-    return splits
-
-
-def split_kv(prog: Program) -> Program:
-    """Rewrite long-context decode attention into split-KV partials + merge_state.
-
-    Needs hints max_kv_len, num_tokens (the batch's expected token count) and num_sms;
-    a paged_attention whose grid already fills the GPU is left alone.
-    """
-    h = prog.hints
-    for op_id in prog.ops():
-        op = prog.op(op_id)
-        if not isinstance(op, PagedAttention) or op.num_splits > 1:
-            continue
-        ctas = h.get("num_tokens", 1) * op.num_kv_heads
-        splits = choose_num_splits(ctas, h.get("max_kv_len", 0), h.get("num_sms", 132), op.page_size)
-        if splits == 1:
-            continue
-        bind = dict(prog.graph.nodes[op_id]["bind"])
-        out, lse = bind.pop("out"), bind.pop("lse", None)
-        prog.graph.remove_node(op_id)
-        part = prog.add_op(op.replace(num_splits=splits, return_lse=False), **bind)
-        pb = prog.graph.nodes[part]["bind"]
-        merge = MergeState(op.num_q_heads, op.head_dim, splits, op.q_dtype, return_lse=lse is not None)
-        prog.add_op(merge, o_partial=pb["o_partial"], lse_partial=pb["lse_partial"], out=out,
-                    **({"lse": lse} if lse else {}))
     return prog
 
 

@@ -5,7 +5,7 @@ import pytest
 from uacompile import IRError, reference as R, testing as U
 from uacompile.ir import (OPS, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, TensorSpec,
                           c_signature, cffi_cdef, describe, op_from_dict)
-from uacompile.program import Program, choose_num_splits, dead_op_elimination, run_reference, split_kv, validate
+from uacompile.program import Program, dead_op_elimination, run_reference, validate
 
 EXAMPLES = [PagedAttention(32, 8, 128, 16, "bf16", "bf16"), PagedAttention(8, 4, 8, 16, "fp32", "fp32"),
             PagedAttention(8, 2, 64, 16, "fp16", "int8", alibi=True, num_splits=4),
@@ -89,8 +89,8 @@ def test_params_follow_options():
     assert "positions" in names(ReshapeAndCache(8, 64, rope=True))
 
 
-def attention_program(hints, window=0):
-    p = Program(hints=hints)
+def attention_program(window=0):
+    p = Program()
     for n, dt, s in [("q", "bf16", ("T", 32, 128)), ("kc", "bf16", ("N", 16, 8, 128)), ("vc", "bf16", ("N", 16, 8, 128)),
                      ("ts", "int32", ("T",)), ("pt", "int32", ("S", "M")), ("tl", "int32", ("T",))]:
         p.add_tensor(n, dt, s)
@@ -101,62 +101,29 @@ def attention_program(hints, window=0):
 
 
 def test_validate_rejects_mismatches():
-    p = attention_program({})
+    p = attention_program()
     p.add_tensor("bad_q", "fp16", ("T", 32, 128))
     with pytest.raises(IRError, match=r"\.q\.dtype"):
         p.add_op(PagedAttention(32, 8, 128, 16, "bf16", "bf16"), q="bad_q", k_cache="kc", v_cache="vc",
                  token_seq="ts", page_table="pt", token_kv_len="tl")
         validate(p)
-    p = attention_program({})
+    p = attention_program()
     p.add_tensor("q2", "bf16", ("T", 16, 128))
     p.add_op(PagedAttention(32, 8, 128, 16, "bf16", "bf16"), q="q2", k_cache="kc", v_cache="vc",
              token_seq="ts", page_table="pt", token_kv_len="tl")
     with pytest.raises(IRError, match=r"\.q\.shape"):
         validate(p)
     with pytest.raises(IRError, match="not bound"):
-        attention_program({}).add_op(MergeState(32, 128, 2), out="o")
+        attention_program().add_op(MergeState(32, 128, 2), out="o")
     with pytest.raises(IRError, match="written by several ops"):
-        p = attention_program({})
+        p = attention_program()
         p.add_op(PagedAttention(32, 8, 128, 16, "bf16", "bf16"), q="q", k_cache="kc", v_cache="vc",
                  token_seq="ts", page_table="pt", token_kv_len="tl", out="o")
         validate(p)
 
 
-def test_split_kv_pass_rewrites_long_decode_only():
-    long = split_kv(attention_program({"max_kv_len": 32768, "num_tokens": 1, "num_sms": 132}))
-    kinds = [long.op(o).kind for o in long.ops()]
-    assert kinds == ["paged_attention", "merge_state"]
-    assert long.op(long.ops()[0]).num_splits > 1
-    validate(long)
-    short = split_kv(attention_program({"max_kv_len": 512, "num_tokens": 128}))
-    assert [short.op(o).num_splits for o in short.ops()] == [1]
-
-
-def test_choose_num_splits_fills_the_gpu():
-    assert choose_num_splits(8, 32768, 132, 16) >= 32  # 1 seq x 8 kv heads: split until ~2 waves
-    assert choose_num_splits(64 * 8, 4096, 132, 16) == 1  # 512 CTAs already fill 132 SMs twice
-    assert choose_num_splits(8, 256, 132, 16) == 1  # too short to split
-
-
-def test_split_program_computes_the_same_as_unsplit(rng):
-    # a small program whose split rewrite is exercised end to end with the reference executor
-    op = PagedAttention(4, 2, 8, 4, "fp32", "fp32")
-    d = U.attention_inputs(op, rng, [1000], [1])
-    p = Program(hints={"max_kv_len": 1000, "num_tokens": 1, "num_sms": 4})
-    for n in ("q", "k_cache", "v_cache", "token_seq", "page_table", "token_kv_len"):
-        p.add_tensor(n, "int32" if n in ("token_seq", "page_table", "token_kv_len") else "fp32", d[n].shape)
-    p.add_tensor("out", "fp32", d["q"].shape)
-    p.add_op(op, **{n: n for n in ("q", "k_cache", "v_cache", "token_seq", "page_table", "token_kv_len", "out")})
-    arrays = {k: v for k, v in d.items() if isinstance(v, np.ndarray)}
-    want = run_reference(p, arrays)["out"]
-    split_kv(p)
-    assert len(p.ops()) == 2
-    np.testing.assert_allclose(run_reference(p, arrays)["out"], want, atol=1e-12)
-    np.testing.assert_allclose(want, R.paged_attention(op, **arrays)[0], atol=0)
-
-
 def test_dead_op_elimination_drops_unused_ops():
-    p = attention_program({})
+    p = attention_program()
     p.add_tensor("kv", "fp16", ("L", 2, "N", 16, 8, 128))
     p.add_tensor("map", "int64", ("K", 2))
     p.add_op(CopyBlocks(8, 128, 16, "fp16"), kv="kv", mapping="map")
