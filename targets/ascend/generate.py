@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 
 from uacompile.errors import IRError
-from uacompile.ir import (CopyBlocks, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks, c_signature, itemsize)
+from uacompile.ir import (DTYPES, CopyBlocks, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks, c_signature, itemsize)
 
 UB_BYTES = 196_608  # Unified Buffer per vector core, 910B
 ALIGN = 32  # DataCopy / UB alignment unit
@@ -24,8 +24,6 @@ HBM_BYTES_PER_S = 1.6e12  # 910B HBM, +-20% (roofline estimates only)
 # vector (AIV) and cube (AIC) core counts of the 910B family
 SOCS = {"Ascend910B1": (48, 24), "Ascend910B2": (48, 24), "Ascend910B3": (40, 20), "Ascend910B4": (40, 20)}
 DEFAULT_SOC = "Ascend910B1"
-CTYPES = {"fp32": "float", "fp16": "half", "bf16": "bfloat16_t", "int8": "int8_t", "int32": "int32_t",
-          "int64": "int64_t"}
 STATUS = "generated and emulator-checked (clean-room CPU emulation of AscendC); not run on NPU hardware"
 COPY_CHUNK_BYTES = 32 * 1024  # per buffer of the GM -> UB -> GM copy queue (x2: double buffered)
 
@@ -225,21 +223,21 @@ def _numel_expr(shape) -> str:
 
 
 def _context(op: OpSpec, p: Plan) -> dict:
-    tensors = [dict(name=t.name, ctype=CTYPES[t.dtype], numel=_numel_expr(t.shape), role=t.role)
+    tensors = [dict(name=t.name, ctype=DTYPES[t.dtype].ascendc, numel=_numel_expr(t.shape), role=t.role)
                for t in op.tensors()]
     ctx = dict(op=op, sym=op.symbol(), kernel=f"{op.symbol()}_kernel", plan=p, b=p.buffers, c=p.consts,
                tensors=tensors, sizes=[s.name for s in op.sizes()], status=STATUS,
-               signature=c_signature(op, stream_type="aclrtStream"), ctypes=CTYPES,
+               signature=c_signature(op, stream_type="aclrtStream"),
                op_json=json.dumps(op.to_dict(), sort_keys=True))
     if op.kind == "paged_attention":
-        ctx.update(q_t=CTYPES[op.q_dtype], kv_t=CTYPES[op.kv_dtype],
-                   out_t="float" if op.num_splits > 1 else CTYPES[op.q_dtype],
+        ctx.update(q_t=DTYPES[op.q_dtype].ascendc, kv_t=DTYPES[op.kv_dtype].ascendc,
+                   out_t="float" if op.num_splits > 1 else DTYPES[op.q_dtype].ascendc,
                    with_lse=op.num_splits > 1 or op.return_lse, scale=repr(float(op.sm_scale)),
                    softcap=repr(float(op.softcap)))
     elif op.kind == "reshape_and_cache":
-        ctx.update(in_t=CTYPES[op.dtype], kv_t=CTYPES[op.kv_dtype])
+        ctx.update(in_t=DTYPES[op.dtype].ascendc, kv_t=DTYPES[op.kv_dtype].ascendc)
     elif op.kind in ("copy_blocks", "swap_blocks"):
-        ctx.update(kv_t=CTYPES[op.kv_dtype])
+        ctx.update(kv_t=DTYPES[op.kv_dtype].ascendc)
     return ctx
 
 

@@ -303,7 +303,7 @@ def template_context(op: ir.PagedAttention, arch: str = "sm_90", shape: int = 0)
         variant=op.variant, unified=op.variant == "unified_masked",
         Hq=op.num_q_heads, Hkv=op.num_kv_heads, D=op.head_dim, DW=wgmma_width(op.head_dim) if lay.wgmma else op.head_dim,
         P=op.page_size,
-        q_dtype=op.q_dtype, kv_dtype=op.kv_dtype, q_ctype=ir.DTYPES[op.q_dtype][1], kv_ctype=ir.DTYPES[op.kv_dtype][1],
+        q_dtype=op.q_dtype, kv_dtype=op.kv_dtype, q_ctype=ir.DTYPES[op.q_dtype].c, kv_ctype=ir.DTYPES[op.kv_dtype].c,
         quantized=op.quantized, num_splits=op.num_splits, write_lse=op.return_lse and op.num_splits == 1,
         window=op.window, softcap=op.softcap, softcap_c=_c_float(op.softcap or 1.0), alibi=op.alibi,
         scale_c=_c_float(op.sm_scale), bn_prefill=lay.bn_prefill, mt_prefill=lay.mt_prefill, kv_rows=lay.kv_rows, stages=lay.stages,

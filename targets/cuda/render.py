@@ -7,8 +7,8 @@ Each op kind has a context builder `fn(op) -> (template_name, context)`. Every c
 gets the common keys below, so a template needs no Python beyond its builder:
     op, symbol (the launcher name), ns (a C++ namespace unique to the op: wrap all kernels
     and helpers in it, so several ops can share one translation unit), signature
-    (ir.c_signature(op): `extern "C" {{ signature }} { ... return (int)cudaGetLastError(); }`),
-    ctype (IR dtype -> C type inside namespace ua, e.g. ctype['bf16'] == 'bf16').
+    (ir.c_signature(op): `extern "C" {{ signature }} { ... return (int)cudaGetLastError(); }`).
+C types come from ir.DTYPES[dtype].c (bf16 is a typedef of common.cuh).
 Templates start with `{% include "cuda/common.cuh.j2" %}` (dtypes, vectors, quantisation).
 A template that needs Hopper-only instructions (wgmma) writes the marker line
 `// UA_REQUIRES_SM90A` and guards that code for other archs; build.py then compiles it for
@@ -26,7 +26,6 @@ import jinja2
 from uacompile import ir
 
 SM90A_MARKER = "// UA_REQUIRES_SM90A"
-CTYPE = {name: c for name, (_, c, _) in ir.DTYPES.items()}
 
 
 @functools.cache
@@ -136,7 +135,7 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
         D = op.head_dim
         inv_freq = [repr(float(f)) for f in 1.0 / op.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D)]
     return "cuda/reshape_and_cache.cu.j2", dict(
-        Hkv=Hkv, D=op.head_dim, P=op.page_size, in_ctype=CTYPE[op.dtype], cache_ctype=CTYPE[op.kv_dtype],
+        Hkv=Hkv, D=op.head_dim, P=op.page_size, in_ctype=ir.DTYPES[op.dtype].c, cache_ctype=ir.DTYPES[op.kv_dtype].c,
         vec=vec, group=group, rows=rows, steps=steps, stages=stages, threads=int(design.get("threads", 256)),
         # H200 sweeps (bench/reshape_sweep.py): one task per lane group (waves=0) moved 83-84% / 72% /
         # 71-76% / 81% of the copy ceiling (fp16 / int8 / fp8 / RoPE) against 72 / 64 / 67 / 73% with a
@@ -159,7 +158,7 @@ def _page_copy(op):
 def _merge_state(op: ir.MergeState, arch: str):
     vec = vector_width(op.head_dim, 4)
     return "cuda/merge_state.cu.j2", dict(
-        S=op.num_splits, H=op.num_heads, D=op.head_dim, out_ctype=CTYPE[op.out_dtype], vec=vec,
+        S=op.num_splits, H=op.num_heads, D=op.head_dim, out_ctype=ir.DTYPES[op.out_dtype].c, vec=vec,
         group=lane_group(op.head_dim // vec), threads=256, return_lse=op.return_lse)
 
 
@@ -197,7 +196,7 @@ def render_op(op: ir.OpSpec, arch: str = "sm_90", shape: int = 0) -> str:
     if not 0 <= shape < code_shapes(op, arch):
         raise ValueError(f"shape: {op.kind} has {code_shapes(op, arch)} code shape(s) on {arch}, got {shape}")
     template, ctx = CONTEXT_BUILDERS[op.kind](op, arch, shape) if shape else CONTEXT_BUILDERS[op.kind](op, arch)
-    common = dict(op=op, symbol=op.symbol(), ns=f"{op.symbol()}_impl", signature=ir.c_signature(op), ctype=CTYPE)
+    common = dict(op=op, symbol=op.symbol(), ns=f"{op.symbol()}_impl", signature=ir.c_signature(op))
     return environment().get_template(template).render(**common, **ctx)
 
 

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from uacompile import IRError, reference as R, testing as U
-from uacompile.ir import (OPS, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, TensorSpec,
-                          c_signature, cffi_cdef, describe, op_from_dict)
+from uacompile.ir import (DTYPES, OPS, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, TensorSpec,
+                          c_signature, cffi_cdef, describe, from_torch, itemsize, op_from_dict, torch_dtype)
 from uacompile.program import Program, dead_op_elimination, run_reference, validate
 
 EXAMPLES = [PagedAttention(32, 8, 128, 16, "bf16", "bf16"), PagedAttention(8, 4, 8, 16, "fp32", "fp32"),
@@ -166,3 +166,25 @@ def test_in_place_updates_are_versions():
     want = R.paged_attention(attend, by_hand["q"], by_hand["k_cache"], by_hand["v_cache"], by_hand["token_seq"],
                              by_hand["page_table"], by_hand["token_kv_len"])[0]
     np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+def test_dtype_table_names_resolve_with_its_sizes():
+    """ir.DTYPES is the one dtype table: each entry's numpy and torch dtypes exist and hold its
+    itemsize (fp8 travels as bytes in C and TIR), and from_torch inverts torch_dtype."""
+    torch = pytest.importorskip("torch")
+    for name, d in DTYPES.items():
+        assert d.name == name
+        assert d.numpy_dtype().itemsize == d.itemsize == itemsize(name)
+        assert torch.empty((), dtype=torch_dtype(name)).element_size() == d.itemsize
+        assert from_torch(torch_dtype(name)) == name
+        assert d.c and d.tir
+    assert DTYPES["fp8_e4m3"].c == "uint8_t" and DTYPES["fp8_e4m3"].tir == "uint8"
+    assert from_torch(torch.uint8) is None and from_torch(torch.complex64) is None
+
+
+def test_ir_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, uacompile.ir as ir; ir.DTYPES['bf16'].numpy_dtype(); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
