@@ -228,11 +228,11 @@ def build_variants() -> list:
 
 
 def build_rows(ctx: BenchContext) -> list[dict]:
-    from uacompile.cache import toolchain_versions
+    from uacompile import nvcc
     from uacompile.targets.cuda import build as build_mod, loader
 
     rows = []
-    toolchain_versions(build_mod.nvcc_path())  # nvcc --version once per process, outside the timings
+    nvcc.toolchain()  # nvcc --version once per process, outside the timings
     old = os.environ.get("UACOMPILE_CACHE_DIR")
     cold_dir, warm_dir = Path(tempfile.mkdtemp(prefix="ua-cold-")), Path(tempfile.mkdtemp(prefix="ua-warm-"))
     try:

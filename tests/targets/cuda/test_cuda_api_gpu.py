@@ -171,7 +171,7 @@ def _sweep():
 @pytest.fixture(scope="module")
 def candidate_libraries():
     """{candidate: library of RESHAPE + RESHAPE_ROPE built with its knobs} (parallel nvcc, one process each)."""
-    from uacompile.targets.cuda.build import default_arch
+    from uacompile.nvcc import default_arch
 
     sweep = _sweep()
     libs, failed = sweep.build_all([n for n in sweep.CANDIDATES if n != "default"], [*RESHAPE, *RESHAPE_ROPE], default_arch())
