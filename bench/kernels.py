@@ -59,16 +59,11 @@ def copy_ceiling(ctx: BenchContext) -> list[dict]:
 
 
 # ---------------------------------------------------------------- cache ops
-def _torch_dtype(d: str):
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8,
-            "fp8_e4m3": torch.float8_e4m3fn}[d]
-
-
 def _kv(shape, dtype: str, gen: torch.Generator | None = None) -> torch.Tensor:
     x = torch.randn(shape, device="cuda", generator=gen)
     if dtype == "int8":
         return (x * 40).clamp(-127, 127).to(torch.int8)
-    return x.to(_torch_dtype(dtype))
+    return x.to(ir.torch_dtype(dtype))
 
 
 # the tracked reshape_and_cache rows: (num_tokens, dtype, kv_dtype, rope) at Hkv=8, D=128, P=16
@@ -117,7 +112,7 @@ def reshape_case(T: int, dt_in: str, dt_kv: str, rope: bool, Hkv: int = 8, D: in
         args.update(k_scale=torch.ones(num_pages, P, Hkv, device="cuda"), v_scale=torch.ones(num_pages, P, Hkv, device="cuda"))
     if rope:
         args["positions"] = torch.randint(0, 32768, (T,), device="cuda", generator=gen)
-    out_item = torch.empty((), dtype=_torch_dtype(dt_kv)).element_size()
+    out_item = torch.empty((), dtype=ir.torch_dtype(dt_kv)).element_size()
     nbytes = 2 * T * Hkv * D * (args["k"].element_size() + out_item) + T * 8 + (2 * T * Hkv * 4 if op.quantized else 0)
     shape = f"T={T} Hkv={Hkv} D={D} P={P} {dt_in}->{dt_kv}{' +rope' if rope else ''}"
     return ReshapeCase(op, args, nbytes, shape)
@@ -233,11 +228,11 @@ def build_variants() -> list:
 
 
 def build_rows(ctx: BenchContext) -> list[dict]:
-    from uacompile.cache import toolchain_versions
+    from uacompile import nvcc
     from uacompile.targets.cuda import build as build_mod, loader
 
     rows = []
-    toolchain_versions(build_mod.nvcc_path())  # nvcc --version once per process, outside the timings
+    nvcc.toolchain()  # nvcc --version once per process, outside the timings
     old = os.environ.get("UACOMPILE_CACHE_DIR")
     cold_dir, warm_dir = Path(tempfile.mkdtemp(prefix="ua-cold-")), Path(tempfile.mkdtemp(prefix="ua-warm-"))
     try:

@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     args.rounds = args.rounds or kb.RESHAPE_ROUNDS
 
     from uacompile.targets.cuda import api
-    from uacompile.targets.cuda.build import default_arch
+    from uacompile.nvcc import default_arch
 
     t_start = time.perf_counter()
     torch.manual_seed(0)

@@ -38,7 +38,6 @@ DECODE_B, DECODE_BYTES = 16, 512 * 2**20
 PREFILL_B, PREFILL_L = 4, 4096
 TOLERANCE = 2e-2  # 16-bit output against SDPA
 ROUNDS = 11
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,7 @@ def _diff(got, want) -> float:
 def decode_row(v: Variant, gen) -> dict:
     op, (_, splits, _) = v.op(), launched_ops(v)
     L = v.decode_len()
-    b = ab.PagedBatch(DECODE_B, L, 1, gen, (v.hq, v.hkv, v.d, v.p), DTYPES[v.dtype])
+    b = ab.PagedBatch(DECODE_B, L, 1, gen, (v.hq, v.hkv, v.d, v.p), ir.torch_dtype(v.dtype))
     k, kv = b.contiguous_kv()
     want = ab.sdpa(b.q_bhld(), k, kv, False).transpose(1, 2).reshape(b.q.shape)
     b.out.fill_(float("nan"))
@@ -135,7 +134,7 @@ def decode_row(v: Variant, gen) -> dict:
 
 def prefill_row(v: Variant, gen) -> dict:
     op = v.op()
-    b = ab.PagedBatch(PREFILL_B, PREFILL_L, PREFILL_L, gen, (v.hq, v.hkv, v.d, v.p), DTYPES[v.dtype])
+    b = ab.PagedBatch(PREFILL_B, PREFILL_L, PREFILL_L, gen, (v.hq, v.hkv, v.d, v.p), ir.torch_dtype(v.dtype))
     k, kv = b.contiguous_kv()
     want = ab.sdpa(b.q_bhld(), k, kv, True)
     b.out.fill_(float("nan"))

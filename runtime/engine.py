@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from uacompile import ir
+
 from .executor import Executor
 from .kernels import KernelOps, make_backend
 from .loader import load
@@ -18,7 +20,7 @@ from .sampling import Sampler
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {ir.DTYPES[d].torch: ir.torch_dtype(d) for d in ir.FLOAT_DTYPES}  # EngineConfig.dtype: torch's names
 
 
 @dataclass

@@ -14,8 +14,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+
+from .step import StepInputs
 
 log = logging.getLogger("uacompile.runtime")
 
@@ -69,9 +70,7 @@ class DecodeGraphs:
     def _bucket(self, n: int, pages: int) -> tuple[int, int]:
         return next(b for b in self.sizes if b >= n), next(w for w in self.widths if w >= pages)
 
-    def _step(self, bs: int, w: int):
-        from .executor import StepInputs
-
+    def _step(self, bs: int, w: int) -> StepInputs:
         return StepInputs(self.input_ids[:bs], self.positions[:bs], self.token_seq[:bs], self.token_kv_len[:bs],
                           self.slot_mapping[:bs], self.tables[w][:bs], None, [])
 

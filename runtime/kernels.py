@@ -15,7 +15,6 @@ import torch
 
 from uacompile import binding, ir, reference
 
-TORCH_TO_IR = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 BACKENDS = ("tvm-cpu", "cuda", "reference")
 
 
@@ -31,9 +30,9 @@ class KernelOps:
     @classmethod
     def for_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                   sliding_window: int = 0) -> "KernelOps":
-        if dtype not in TORCH_TO_IR:
-            raise TypeError(f"dtype must be one of {list(TORCH_TO_IR)}, got {dtype}")
-        dt = TORCH_TO_IR[dtype]
+        dt = ir.from_torch(dtype)
+        if dt not in ir.FLOAT_DTYPES:
+            raise TypeError(f"dtype must be one of {[ir.torch_dtype(d) for d in ir.FLOAT_DTYPES]}, got {dtype}")
         return cls(ir.PagedAttention(num_heads, num_kv_heads, head_dim, page_size, q_dtype=dt, kv_dtype=dt,
                                      window=sliding_window),
                    ir.ReshapeAndCache(num_kv_heads, head_dim, page_size, dtype=dt, kv_dtype=dt),
@@ -79,12 +78,11 @@ class ReferenceBackend(KernelBackend):
         self.binders = {op.kind: binding.host_binder(op) for op in (ops.attention, ops.cache_write, ops.copy, ops.swap)}
 
     def run(self, op, **tensors):
-        self.binders[op.kind](tensors)
+        self.binders[op.kind](tensors)  # names, dtypes, shapes, layout, on the CPU
         arrays = {}
         for k, t in tensors.items():
-            if t.device.type != "cpu" or t.dtype == torch.bfloat16:
-                raise TypeError(f"reference backend: {k} must be a CPU fp32/fp16/int tensor, "
-                                f"got {t.dtype} on {t.device}")
+            if t.dtype == torch.bfloat16:
+                raise TypeError(f"reference backend: {k} must be fp32/fp16 (numpy has no bf16 view), got {t.dtype}")
             arrays[k] = t.numpy()  # a view: in-place writes land in the torch tensor
         if op.kind == "paged_attention":
             out = arrays.pop("out")

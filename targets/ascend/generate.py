@@ -17,8 +17,8 @@ from pathlib import Path
 import jinja2
 
 from uacompile.errors import IRError
-from uacompile.ir import (CopyBlocks, Kernel, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks, as_kernel, c_signature,
-                          itemsize)
+from uacompile.ir import (DTYPES, CopyBlocks, Kernel, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks, as_kernel,
+                          c_signature, itemsize)
 
 UB_BYTES = 196_608  # Unified Buffer per vector core, 910B
 UB_SCRATCH_RESERVE = 8192  # UB left free for API scratch space (emulator: kUbScratchReserve)
@@ -33,8 +33,6 @@ SOCS = {"Ascend910B1": (48, 24), "Ascend910B2": (48, 24), "Ascend910B2C": (48, 2
         "Ascend910B4": (40, 20), "Ascend910B4-1": (40, 20)}
 DEFAULT_SOC = "Ascend910B1"
 QUEUE_POSITIONS = ("VECIN", "VECOUT")  # TQue positions; TBufs (VECCALC) hold no event IDs
-CTYPES = {"fp32": "float", "fp16": "half", "bf16": "bfloat16_t", "int8": "int8_t", "int32": "int32_t",
-          "int64": "int64_t"}
 STATUS = "generated and emulator-checked (clean-room CPU emulation of AscendC); not run on NPU hardware"
 COPY_CHUNK_BYTES = 32 * 1024  # per buffer of the GM -> UB -> GM copy queue (x2: double buffered)
 
@@ -281,21 +279,21 @@ def _numel_expr(shape) -> str:
 
 
 def _context(op: OpSpec, p: Plan) -> dict:
-    tensors = [dict(name=t.name, ctype=CTYPES[t.dtype], numel=_numel_expr(t.shape), role=t.role)
+    tensors = [dict(name=t.name, ctype=DTYPES[t.dtype].ascendc, numel=_numel_expr(t.shape), role=t.role)
                for t in op.tensors()]
     ctx = dict(op=op, sym=op.symbol(), kernel=f"{op.symbol()}_kernel", plan=p, b=p.buffers, c=p.consts,
                tensors=tensors, sizes=[s.name for s in op.sizes()], status=STATUS,
-               signature=c_signature(op, stream_type="aclrtStream"), ctypes=CTYPES,
+               signature=c_signature(op, stream_type="aclrtStream"),
                op_json=json.dumps(op.to_dict(), sort_keys=True))
     if op.kind == "paged_attention":
-        ctx.update(q_t=CTYPES[op.q_dtype], kv_t=CTYPES[op.kv_dtype], num_splits=splits_of(op),
-                   out_t="float" if splits_of(op) > 1 else CTYPES[op.q_dtype],
+        ctx.update(q_t=DTYPES[op.q_dtype].ascendc, kv_t=DTYPES[op.kv_dtype].ascendc, num_splits=splits_of(op),
+                   out_t="float" if splits_of(op) > 1 else DTYPES[op.q_dtype].ascendc,
                    with_lse=splits_of(op) > 1 or op.return_lse, scale=repr(float(op.sm_scale)),
                    softcap=repr(float(op.softcap)))
     elif op.kind == "reshape_and_cache":
-        ctx.update(in_t=CTYPES[op.dtype], kv_t=CTYPES[op.kv_dtype])
+        ctx.update(in_t=DTYPES[op.dtype].ascendc, kv_t=DTYPES[op.kv_dtype].ascendc)
     elif op.kind in ("copy_blocks", "swap_blocks"):
-        ctx.update(kv_t=CTYPES[op.kv_dtype])
+        ctx.update(kv_t=DTYPES[op.kv_dtype].ascendc)
     return ctx
 
 

@@ -19,8 +19,6 @@ import torch
 from uacompile import binding, ir
 from .loader import load
 
-# torch dtype -> IR dtype of float / KV tensors (the friendly functions infer ops from them)
-IR_DTYPE = {t: d for d in ir.KV_DTYPES for t in binding.TORCH.dtypes(d)}
 # tensors that may live in pinned host memory (the kernel reaches them over PCIe)
 HOST_OK = {"swap_blocks": {"src", "dst", "src_scales", "dst_scales", "mapping"}}
 INDEX_DTYPES = ("int32", "int64")
@@ -117,9 +115,12 @@ def preload(ops, arch: str | None = None, workers: int = 4) -> None:
 
 
 def _kv_dtype(name: str, t: torch.Tensor) -> str:
-    if t.dtype not in IR_DTYPE:
-        raise TypeError(f"{name}: unsupported dtype {t.dtype}; use one of {sorted(map(str, IR_DTYPE))}")
-    return IR_DTYPE[t.dtype]
+    """The IR dtype of a float / KV tensor (the friendly functions infer ops from them); uint8 is fp8's raw bytes."""
+    dtype = "fp8_e4m3" if t.dtype == torch.uint8 else ir.from_torch(t.dtype)
+    if dtype not in ir.KV_DTYPES:
+        raise TypeError(f"{name}: unsupported dtype {t.dtype}; use one of {[str(ir.torch_dtype(d)) for d in ir.KV_DTYPES]}"
+                        " or torch.uint8 (fp8 bytes)")
+    return dtype
 
 
 def _need_dims(name: str, t, n: int, layout: str) -> None:

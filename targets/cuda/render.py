@@ -7,8 +7,8 @@ Each op kind has a context builder `fn(op) -> (template_name, context)`. Every c
 gets the common keys below, so a template needs no Python beyond its builder:
     op, symbol (the launcher name), ns (a C++ namespace unique to the op: wrap all kernels
     and helpers in it, so several ops can share one translation unit), signature
-    (ir.c_signature(op): `extern "C" {{ signature }} { ... return (int)cudaGetLastError(); }`),
-    ctype (IR dtype -> C type inside namespace ua, e.g. ctype['bf16'] == 'bf16').
+    (ir.c_signature(op): `extern "C" {{ signature }} { ... return (int)cudaGetLastError(); }`).
+C types come from ir.DTYPES[dtype].c (bf16 is a typedef of common.cuh).
 Templates start with `{% include "cuda/common.cuh.j2" %}` (dtypes, vectors, quantisation).
 A template that needs Hopper-only instructions (wgmma) writes the marker line
 `// UA_REQUIRES_SM90A` and guards that code for other archs; build.py then compiles it for
@@ -28,7 +28,6 @@ from .config import config_of
 from .layout import HOPPER_ARCHS, TEMPLATE, check, dynamic_prefill, layout, uses_wgmma, wgmma_width
 
 SM90A_MARKER = "// UA_REQUIRES_SM90A"
-CTYPE = {name: c for name, (_, c, _) in ir.DTYPES.items()}
 
 
 @functools.cache
@@ -137,7 +136,7 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
         D = op.head_dim
         inv_freq = [repr(float(f)) for f in 1.0 / op.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D)]
     return "cuda/reshape_and_cache.cu.j2", dict(
-        Hkv=Hkv, D=op.head_dim, P=op.page_size, in_ctype=CTYPE[op.dtype], cache_ctype=CTYPE[op.kv_dtype],
+        Hkv=Hkv, D=op.head_dim, P=op.page_size, in_ctype=ir.DTYPES[op.dtype].c, cache_ctype=ir.DTYPES[op.kv_dtype].c,
         vec=vec, group=group, rows=rows, steps=steps, stages=stages, threads=int(design.get("threads", 256)),
         # H200 sweeps (bench/reshape_sweep.py): one task per lane group (waves=0) moved 83-84% / 72% /
         # 71-76% / 81% of the copy ceiling (fp16 / int8 / fp8 / RoPE) against 72 / 64 / 67 / 73% with a
@@ -160,7 +159,7 @@ def _page_copy(op):
 def _merge_state(op: ir.MergeState, arch: str):
     vec = vector_width(op.head_dim, 4)
     return "cuda/merge_state.cu.j2", dict(
-        S=op.num_splits, H=op.num_heads, D=op.head_dim, out_ctype=CTYPE[op.out_dtype], vec=vec,
+        S=op.num_splits, H=op.num_heads, D=op.head_dim, out_ctype=ir.DTYPES[op.out_dtype].c, vec=vec,
         group=lane_group(op.head_dim // vec), threads=256, return_lse=op.return_lse)
 
 
@@ -188,7 +187,7 @@ def _paged_attention(kernel: ir.Kernel, arch: str = "sm_90", shape: int = 0) -> 
         variant=op.variant, unified=op.variant == "unified_masked",
         Hq=op.num_q_heads, Hkv=op.num_kv_heads, D=op.head_dim, DW=wgmma_width(op.head_dim) if lay.wgmma else op.head_dim,
         P=op.page_size,
-        q_dtype=op.q_dtype, kv_dtype=op.kv_dtype, q_ctype=CTYPE[op.q_dtype], kv_ctype=CTYPE[op.kv_dtype],
+        q_dtype=op.q_dtype, kv_dtype=op.kv_dtype, q_ctype=ir.DTYPES[op.q_dtype].c, kv_ctype=ir.DTYPES[op.kv_dtype].c,
         quantized=op.quantized, num_splits=cfg.num_splits, write_lse=op.return_lse and cfg.num_splits == 1,
         fused_merge=cfg.fused_merge,
         window=op.window, softcap=op.softcap, softcap_c=_c_float(op.softcap or 1.0), alibi=op.alibi,
@@ -230,8 +229,7 @@ def render_op(op: ir.OpSpec | ir.Kernel, arch: str = "sm_90", shape: int = 0) ->
         raise ValueError(f"shape: {op.kind} has {code_shapes(op, arch)} code shape(s) on {arch}, got {shape}")
     builder_arg = kernel if op.kind == "paged_attention" else op
     template, ctx = CONTEXT_BUILDERS[op.kind](builder_arg, arch, shape) if shape else CONTEXT_BUILDERS[op.kind](builder_arg, arch)
-    common = dict(op=op, symbol=kernel.symbol(), ns=f"{kernel.symbol()}_impl", signature=ir.c_signature(kernel),
-                  ctype=CTYPE)
+    common = dict(op=op, symbol=kernel.symbol(), ns=f"{kernel.symbol()}_impl", signature=ir.c_signature(kernel))
     return environment().get_template(template).render(**common, **ctx)
 
 
