@@ -1,8 +1,7 @@
 """Quantised-KV decode on the raw 8-bit K/V stage (production since v22, bench/NOTES-attention.md).
 
 Decode warps attend the raw 8-bit K/V stage directly (register conversion, scales applied to the
-scores and to P); -DUA_QUANT_FAST=0 builds the earlier dequantising pass. Each design is built in its
-own spawned process (attention.load_designs, "|flags") and checked against the float64 reference: int8 and fp8_e4m3 KV,
+scores and to P). Checked against the float64 reference: int8 and fp8_e4m3 KV,
 fp16 and bf16 q, head_dim 64 and 128, kv lengths 1, page edges and long, 1 and several splits (fused
 merge), mixed ubatches with prefill chunks (whose tiles keep the dequantising path). Outputs are
 poisoned with NaN (run_fused).
@@ -13,14 +12,13 @@ import numpy as np
 import pytest
 
 from uacompile import ir, testing
-from uacompile.targets.cuda import attention
 
 torch = pytest.importorskip("torch")
+from cuda_helpers import cuda_api_with  # noqa: E402
 from test_cuda_decode_gpu import MIXED, check_outputs, fused, run_fused  # noqa: E402
 
 gpu = pytest.mark.gpu
 PA = ir.PagedAttention
-DESIGNS = {"fast": "", "dequant": "|-DUA_QUANT_FAST=0"}  # production; the pass before v22
 
 OPS = {
     "int8-bf16-d128-g4": PA(32, 8, 128, 16, "bf16", "int8", return_lse=True),
@@ -49,16 +47,9 @@ def _ops():
 
 
 @pytest.fixture(scope="module")
-def quant_libs():
-    """{design: kernel_of(op)}, each design's library built in its own process."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    return attention.design_kernels(DESIGNS, _ops())
-
-
-@pytest.fixture(scope="module")
-def quant_fast(quant_libs):
-    return quant_libs["fast"]
+def quant_fast():
+    """kernel_of(kernel): the module's kernels built at once (api.kernel)."""
+    return cuda_api_with(_ops()).kernel
 
 
 def check(kernel_of, name, op, splits, inputs):
@@ -71,10 +62,9 @@ def check(kernel_of, name, op, splits, inputs):
 @gpu
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("name", list(OPS))
-@pytest.mark.parametrize("design", list(DESIGNS))
-def test_quant_decode_matches_reference(quant_libs, rng, design, name, splits):
+def test_quant_decode_matches_reference(quant_fast, rng, name, splits):
     op = OPS[name]
-    check(quant_libs[design], f"{design}/{name}", op, splits, testing.attention_inputs(op, rng, DECODE_LENS))
+    check(quant_fast, name, op, splits, testing.attention_inputs(op, rng, DECODE_LENS))
 
 
 @gpu
