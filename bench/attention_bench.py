@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from uacompile import ir
 from uacompile.targets.cuda import api, attention
+from uacompile.targets.cuda import layout as cuda_layout
 from uacompile.targets.cuda.plan import choose_config, device_arch, device_sms
 
 sys.path.insert(0, str(Path(__file__).parent))  # PYTHONSAFEPATH runs leave the script's folder out
@@ -50,6 +51,15 @@ def launched_kernel(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_k
     """The kernel attention.plan() launches for these shapes on device 0 (to build ahead of the timings)."""
     return ir.Kernel(op, choose_config(op, num_tokens, num_seqs, max_kv_len, device_sms(0), device_arch(0), num_splits,
                                        fused_merge))
+
+
+def set_wg_tiles(tiles: dict[int, tuple[int, int]]) -> None:
+    """Hopper prefill tiles {padded row width: (K/V positions, TMA stages)} for this process (layout.WG_TILE), for
+    the kernels rendered from now on; the layout caches are cleared so that no earlier answer outlives them. A
+    kernel built before keeps its tile: build the new one through another kernel table (plan's kernel_of)."""
+    cuda_layout.WG_TILE.update(tiles)
+    cuda_layout.layout.cache_clear()
+    cuda_layout.check_fits.cache_clear()
 
 
 def plan_for(op: ir.PagedAttention, b, **kw) -> attention.Plan:
@@ -214,8 +224,9 @@ def prefill_rows(gen, shapes=PREFILL_SHAPES, peers=None) -> list[dict]:
     return rows
 
 
-def mixed_rows(gen) -> list[dict]:
-    """One ubatch: 2 prefill chunks of 2048 tokens at 8K context + 64 decodes at 4K."""
+def mixed_rows(gen, kernel_of=None) -> list[dict]:
+    """One ubatch: 2 prefill chunks of 2048 tokens at 8K context + 64 decodes at 4K (kernel_of: plan()'s kernel
+    table, default the process')."""
     op = op_of()
     chunk = PagedBatch(2, 8192, 2048, gen)
     dec = PagedBatch(64, 4096, 1, gen)
@@ -229,7 +240,7 @@ def mixed_rows(gen) -> list[dict]:
                 token_seq=torch.cat([chunk.token_seq, dec.token_seq + 2]), page_table=table,
                 token_kv_len=torch.cat([chunk.token_kv_len, dec.token_kv_len]))
     out = torch.empty_like(args["q"])
-    one, alone_p, alone_d = plan_for(op, args), plan_for(op, chunk), plan_for(op, dec)
+    one, alone_p, alone_d = (plan_for(op, x, kernel_of=kernel_of) for x in (args, chunk, dec))
     t = time_graphs({"ua one launch": lambda: attention.run(one, **args, out=out),
                      "ua prefill part alone": lambda: attention.run(alone_p, **chunk.args(), out=chunk.out),
                      "ua decode part alone": lambda: attention.run(alone_d, **dec.args(), out=dec.out)},

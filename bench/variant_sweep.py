@@ -109,13 +109,6 @@ def launched_ops(v: Variant, num_sms: int = cuda_layout.H200_SMS, arch: str = "s
     return ir.Kernel(op, decode), decode.num_splits, ir.Kernel(op, prefill)
 
 
-def set_wg_tiles(tiles: dict[int, tuple[int, int]]) -> None:
-    """Hopper prefill tiles for this process (layout.WG_TILE), before anything is laid out or built; the layout
-    caches are cleared so that no earlier answer outlives them."""
-    cuda_layout.WG_TILE.update(tiles)
-    cuda_layout.layout.cache_clear()
-    cuda_layout.check_fits.cache_clear()
-
 
 def build_all(variants, log=print) -> None:
     """Every launched kernel built at once (one nvcc a kernel, in parallel), so timing never waits on a build."""
@@ -253,7 +246,7 @@ def main():
         ap.error(f"unknown variants {sorted(unknown)}")
     variants = [v for v in VARIANTS if not wanted or v.name in wanted]
     wg_tiles = parse_wg_tiles(args.wg_tile)
-    set_wg_tiles(wg_tiles)
+    ab.set_wg_tiles(wg_tiles)
     build_all(variants)
     gen = torch.Generator(device="cuda").manual_seed(0)
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_gbps=copy_ceiling_gbps()[0],
