@@ -120,7 +120,7 @@ def decode_batches(B: int, L: int, gen: torch.Generator) -> list[PagedBatch]:
 def spin_up_clocks(seconds: float = 0.5) -> None:
     """Busy the GPU a moment before timing: it idles at 345 MHz while builds and JIT run on the CPU.
     Matmuls and a 1 GiB copy in turn (SM and memory clocks): after kernels.py's cache section the
-    first decode group (SDPA too) read ~10% slow after a 0.3 s matmul-only spin (session 5)."""
+    first decode group (SDPA too) read ~10% slow after a 0.3 s matmul-only spin."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)

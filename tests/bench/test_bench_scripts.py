@@ -216,7 +216,7 @@ def test_variant_sweep_rerenders_a_run_and_times_the_launched_ops(tmp_path, monk
 
 
 def test_variant_sweep_takes_another_wgmma_tile(monkeypatch, tmp_path):
-    """--wg-tile W=BNxST overrides attention.WG_TILE for a run (a next tile to measure, e.g. D 64 at 192 positions),
+    """--wg-tile W=BNxST overrides layout.WG_TILE for a run (a next tile to measure, e.g. D 64 at 192 positions),
     refuses a malformed or impossible one, and the report says which tiles ran."""
     import json
 
