@@ -11,7 +11,9 @@ copies; swap with one pinned cudaMemcpy of the same bytes and with per-block cop
 swap_blocks does one memcpy per block). Build rows: nvcc cold build and cached load (a
 copy of the cache at a new path: key + render + dlopen) per variant. Attention rows come
 from bench/attention_bench.py (`attention_rows`: ours, torch SDPA and FlashInfer timed
-interleaved per shape). The report is rewritten after every section, so a run cut short keeps its rows.
+interleaved per shape); plan-overhead rows from bench/plan_overhead.py (the CPU cost of one layer's
+attention.run() call from Python, and of paged_attention(), mean us over 1000 eager calls; target <= 15 us).
+The report is rewritten after every section, so a run cut short keeps its rows.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from uacompile import ir
 
 sys.path.insert(0, str(Path(__file__).parent))
 import attention_bench  # noqa: E402
+import plan_overhead  # noqa: E402
 from timing import copy_ceiling_gbps, time_eager, time_graphs  # noqa: E402
 from attention_bench import spin_up_clocks  # noqa: E402
 
@@ -217,13 +220,15 @@ def build_variants() -> list:
     ops = [R(8, 128, dtype="bf16", kv_dtype="bf16"), R(8, 128, dtype="bf16", kv_dtype="fp8_e4m3", rope=True),
            C(8, 128, kv_dtype="int8"), S(8, 128, kv_dtype="bf16"), M(32, 128, 8, out_dtype="bf16", return_lse=True)]
     try:
-        from uacompile.targets.cuda import attention  # noqa: F401
-
-        PA = ir.PagedAttention
-        ops += [PA(32, 8, 128, 16, "bf16", "bf16"), PA(32, 8, 128, 16, "bf16", "bf16", num_splits=8),
-                PA(32, 8, 128, 16, "bf16", "fp8_e4m3")]
+        from uacompile.targets.cuda.config import AttentionConfig
     except ImportError:
-        pass
+        return ops
+    PA = ir.PagedAttention
+    # paged attention as plan() builds it: the mixed kernel with the Hopper item queue (prefill), the decode-only
+    # kernel with 4 fused splits (8x16384 decode), and fp8 KV
+    ops += [ir.Kernel(PA(32, 8, 128, 16, "bf16", "bf16"), AttentionConfig(item_queue=True)),
+            ir.Kernel(PA(32, 8, 128, 16, "bf16", "bf16"), AttentionConfig(num_splits=4, fused_merge=True, decode_only=True)),
+            ir.Kernel(PA(32, 8, 128, 16, "bf16", "fp8_e4m3"), AttentionConfig())]
     return ops
 
 
@@ -271,9 +276,14 @@ def attention_rows(ctx: BenchContext) -> list[dict]:
     return attention_bench.attention_rows(ctx)
 
 
+def overhead_rows(ctx: BenchContext) -> list[dict]:
+    """The CPU cost of attention.run(plan, ...) and paged_attention() a call (bench/plan_overhead.py)."""
+    return plan_overhead.overhead_rows(ctx)
+
+
 # attention first: after the cache section its first decode group read ~10% slow (SDPA beside it too)
-SECTIONS = {"attention": attention_rows, "cache": lambda c: reshape_rows(c) + copy_blocks_rows(c), "swap": swap_rows,
-            "build": build_rows}
+SECTIONS = {"attention": attention_rows, "overhead": overhead_rows,
+            "cache": lambda c: reshape_rows(c) + copy_blocks_rows(c), "swap": swap_rows, "build": build_rows}
 
 
 # ---------------------------------------------------------------- report
@@ -334,6 +344,7 @@ CACHE_TARGET_PCT = 85.0
 SWAP_TARGET_PCT = 80.0
 COLD_BUILD_TARGET_MS = 10_000.0
 CACHED_LOAD_TARGET_MS = 50.0
+RUN_TARGET_US = plan_overhead.RUN_TARGET_US  # attention.run() CPU cost a call, eager from Python
 LAUNCH_BOUND_MS = 0.01  # rows faster than this measure launch cost, not bandwidth: not target rows
 
 
@@ -367,6 +378,10 @@ def target_checks(rows: list[dict]) -> list[dict]:
                 add(f"{r['op']} % of copy ceiling >= 85", r["shape"], r["pct_ceiling"], CACHE_TARGET_PCT)
         elif r["op"] == "swap_blocks" and "pct_memcpy" in r:
             add("swap % of pinned memcpy >= 80", r["shape"], r["pct_memcpy"], SWAP_TARGET_PCT)
+        elif r["op"] == "plan overhead" and r["impl"].startswith("attention.run"):
+            add(f"attention.run() CPU us <= {RUN_TARGET_US:g}", r["shape"], r["us"], RUN_TARGET_US,
+                higher_is_better=False, peers=peers_of("plan overhead", r["shape"], "us",
+                                                       ["paged_attention(), kept Workspace"]))
     for impl, target, goal in (("nvcc cold build", "cold build ms <= 10000", COLD_BUILD_TARGET_MS),
                                ("cached load", "cached load ms <= 50", CACHED_LOAD_TARGET_MS)):
         times = [r["ms"] for r in rows if r["op"] == "build" and r["impl"].startswith(impl)]

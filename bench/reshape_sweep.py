@@ -59,14 +59,40 @@ CANDIDATES = {
 }
 
 
-def build_all(names: list[str], ops: list, arch: str) -> tuple[dict, dict]:
-    """Parallel nvcc runs, one per candidate: {name: library}, {name: error}."""
-    from uacompile.targets.cuda.loader import build_failure, load_designs
+def build_candidate(design: str, ops: list, arch: str) -> str:
+    """In a spawned worker: ops built with the candidate's knobs in UACOMPILE_RC_VARIANT (the worker's own
+    environment, read when the template renders); the library's path."""
+    from uacompile.targets.cuda.build import build
     from uacompile.targets.cuda.render import RC_DESIGN_ENV
 
-    built = load_designs(RC_DESIGN_ENV, {name: CANDIDATES[name] for name in names}, ops, arch)
-    libs = {n: v for n, v in built.items() if not isinstance(v, Exception)}
-    return libs, {n: build_failure(v) for n, v in built.items() if isinstance(v, Exception)}
+    os.environ[RC_DESIGN_ENV] = design
+    return str(build(ops, arch).path)
+
+
+def build_failure(e: Exception) -> str:
+    """A candidate's failed build in one line (a sweep's row)."""
+    text = str(e).strip()
+    return f"build: {text.splitlines()[-1][:200] if text else type(e).__name__}"
+
+
+def build_all(names: list[str], ops: list, arch: str) -> tuple[dict, dict]:
+    """Parallel nvcc runs, one spawned process per candidate (no build sees another's knobs), loaded here:
+    {name: library}, {name: its build's error in one line}."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from uacompile.targets.cuda.loader import load_library
+
+    libs, failed = {}, {}
+    workers = max(1, min(len(names), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {n: pool.submit(build_candidate, CANDIDATES[n], ops, arch) for n in names}
+        for n, fut in futures.items():
+            try:
+                libs[n] = load_library(fut.result(), ops)
+            except Exception as e:  # noqa: BLE001 - a candidate that does not build is a row, not the end
+                failed[n] = build_failure(e)
+    return libs, failed
 
 
 # ---------------------------------------------------------------- correctness
