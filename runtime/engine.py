@@ -124,6 +124,8 @@ class Engine:
             raise TypeError(f"unknown engine arguments {unknown}; scheduler options are {sorted(names)}")
         kw = dict(kw)
         P = kw.setdefault("page_size", 16)
+        if not isinstance(P, int) or isinstance(P, bool) or P < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {P!r}")
         max_len = min(kw.get("max_model_len") or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if kw.get("num_pages") is None:
             page_bytes = cfg.num_layers * 2 * P * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize

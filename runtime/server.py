@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -411,16 +411,14 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
         log.exception("unhandled error on %s", request.url.path)
         return APIError(500, f"internal error: {type(e).__name__}", "server_error").response()
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        path = request.url.path
-        if cfg.api_key and (path.startswith("/v1/") or path == "/completion"):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
+    def auth(request: Request) -> None:
+        if cfg.api_key:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
-                return APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                                "authentication_error", code="invalid_api_key").response()
-        return await call_next(request)
+                raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                               "authentication_error", code="invalid_api_key")
+
+    protected = [Depends(auth)]
 
     @app.get("/health")
     async def health():
@@ -434,13 +432,13 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=protected)
     async def models():
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": _now(),
                                             "owned_by": "uacompile", "max_model_len": served.max_model_len}]}
 
     # -- /v1/completions
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=protected)
     async def completions(request: Request):
         body: CompletionBody = await _json_body(request, CompletionBody)
         served.check_model(body.model)
@@ -514,7 +512,7 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                 "choices": choices, "usage": served.usage(streams), "timings": served.timings(streams)}
 
     # -- /v1/chat/completions
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=protected)
     async def chat_completions(request: Request):
         body: ChatBody = await _json_body(request, ChatBody)
         served.check_model(body.model)
@@ -585,7 +583,7 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                 "choices": choices, "usage": served.usage(streams), "timings": served.timings(streams)}
 
     # -- llama.cpp's /completion
-    @app.post("/completion")
+    @app.post("/completion", dependencies=protected)
     async def llama_completion(request: Request):
         body: LlamaCppBody = await _json_body(request, LlamaCppBody)
         ids = served.encode(body.prompt)
