@@ -33,7 +33,7 @@ class NullTracer:
 class Tracer(NullTracer):
     enabled = True
 
-    def __init__(self, max_events: int = 2_000_000):
+    def __init__(self, max_events: int = 500_000):
         self.events: list[dict] = []
         self.max_events, self.dropped = max_events, 0
         self._t0 = time.perf_counter()

@@ -228,8 +228,11 @@ def plot(levels: list[dict], path: str) -> None:
     xs = [lv["concurrency"] for lv in levels]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     axes[0][0].plot(xs, [lv["output_throughput"] for lv in levels], "o-", label="output tok/s")
-    axes[0][0].plot(xs, [lv["goodput"] for lv in levels], "s--", label="goodput (req/s)")
-    axes[0][0].set_title("throughput")
+    axes[0][0].set_title("throughput (tok/s) and goodput (req/s)")
+    good = axes[0][0].twinx()
+    good.plot(xs, [lv["goodput"] for lv in levels], "s--", color="tab:orange", label="goodput (req/s)")
+    good.set_ylim(bottom=0)
+    good.legend(loc="lower right")
     for ax, name in ((axes[0][1], "ttft"), (axes[1][0], "tpot"), (axes[1][1], "itl")):
         for q, style in (("p50", "o-"), ("p99", "s--")):
             ax.plot(xs, [lv[f"{q}_{name}_ms"] or float("nan") for lv in levels], style, label=q)

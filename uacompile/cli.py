@@ -122,7 +122,7 @@ def _add_serve(sub) -> None:
     s.add_argument("--max-queue", type=int, default=256,
                    help="requests accepted beyond --max-num-seqs before answering 503")
     s.add_argument("--trace", default=None, metavar="FILE",
-                   help="write a Chrome-trace JSON of steps, kernel calls and KV events at shutdown")
+                   help="write a Chrome-trace JSON of steps, kernel calls and KV events (the first 500k) at shutdown")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
 

@@ -142,3 +142,18 @@ def test_logprobs_are_the_models_and_sorted(rng):
     assert lp.token_id == out.tokens[0] and math.isclose(lp.logprob, float(ref[lp.token_id]), abs_tol=1e-5)
     assert [t for t, _ in lp.top] == torch.topk(ref, 3).indices.tolist()
     assert 1 not in out.logprobs
+
+
+@pytest.mark.gpu
+def test_cuda_sampler_matches_cpu_greedy_and_is_batch_invariant(rng):
+    """The same ops on the GPU: greedy (with penalties and bias) equals the CPU's; seeded draws
+    do not depend on the batch there either."""
+    x = logits_for(rng, 4)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={3: 5.0}),
+              SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=1.0), SamplingParams(top_k=1)]
+    seqs = [seq(i, p, output=(3, 4, 4)) for i, p in enumerate(params)]
+    assert Sampler().sample(seqs, x.cuda()).tokens == Sampler().sample(seqs, x).tokens
+    p = SamplingParams(temperature=0.8, top_p=0.9, min_p=0.02, seed=9)
+    alone = [Sampler().sample([seq(0, p)], x[i:i + 1].cuda()).tokens[0] for i in range(4)]
+    together = Sampler().sample([seq(i, p) for i in range(4)], x.cuda()).tokens
+    assert [together[i] for i in range(4)] == alone
