@@ -187,10 +187,21 @@ class AsyncEngine:
         self._command(("add", prompt, params, priority, stream, fut))
         try:
             await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:  # the caller went away; the engine thread may add it anyway
+            fut.add_done_callback(self._undo_add)
+            raise
         except BaseException:
             self._release_slot()
             raise
         return stream
+
+    def _undo_add(self, fut: concurrent.futures.Future) -> None:
+        if fut.cancelled():
+            return  # never added; the engine thread released the slot
+        if fut.exception() is None:
+            self._command(("abort", fut.result()))
+        else:
+            self._release_slot()
 
     def abort(self, stream: RequestStream) -> None:
         """Stop a request and free its pages (before the engine's next step)."""
@@ -236,6 +247,9 @@ class AsyncEngine:
                 return
             if cmd[0] == "add":
                 _, prompt, params, priority, stream, fut = cmd
+                if not fut.set_running_or_notify_cancel():  # the caller was cancelled first
+                    self._release_slot()
+                    continue
                 if self._stop:
                     fut.set_exception(EngineDead("the server is shutting down"))
                     continue

@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -488,7 +489,8 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                 finally:
                     served.abort(streams)
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     background=BackgroundTask(served.abort, streams))
 
         async def collect():
             got: dict[int, list[StreamEvent]] = {}
@@ -560,7 +562,8 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                 finally:
                     served.abort(streams)
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     background=BackgroundTask(served.abort, streams))
 
         async def collect():
             got: dict[int, list[StreamEvent]] = {}
@@ -623,7 +626,8 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                 finally:
                     served.abort(streams)
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     background=BackgroundTask(served.abort, streams))
 
         async def collect():
             parts = []
