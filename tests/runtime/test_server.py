@@ -144,6 +144,11 @@ def test_sampling_fields(server, offline):
     stop = full[4:9]
     cut = completion(server, **greedy(prompt, stop=[stop])).json()["choices"][0]
     assert cut["text"] == full[:full.index(stop)] and cut["finish_reason"] == "stop"
+    with httpx.stream("POST", server + "/v1/completions", json=greedy(prompt, stop=[stop], stream=True),
+                      timeout=60) as r:
+        events = sse_events(r.iter_lines())
+    streamed = "".join(c["text"] for e in events[:-1] for c in e["choices"])
+    assert streamed == cut["text"]  # text that might begin a stop string is held back, never sent
     # several prompts in one request
     many = completion(server, **greedy(PROMPTS[:2])).json()
     assert [c["text"] for c in many["choices"]] == [offline[p] for p in PROMPTS[:2]]
