@@ -17,6 +17,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -657,7 +658,6 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
           log_level: str = "info", **engine_kwargs) -> None:
     """Load the model and serve until interrupted (the `uacompile serve` command)."""
     import uvicorn
-    from pathlib import Path
 
     from .engine import Engine, EngineConfig
     from .llm import ENGINE_OPTIONS
