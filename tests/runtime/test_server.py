@@ -130,6 +130,16 @@ def test_sampling_fields(server, offline):
                    seed=11, n=2, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2).json()
     assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]  # seeded: reproducible
     assert [c["index"] for c in a["choices"]] == [0, 1]
+    with httpx.stream("POST", server + "/v1/completions", timeout=60,
+                      json={"prompt": prompt, "max_tokens": 10, "temperature": 1.0, "top_p": 0.9, "top_k": 20,
+                            "min_p": 0.05, "seed": 11, "n": 2, "presence_penalty": 0.5, "frequency_penalty": 0.3,
+                            "repetition_penalty": 1.2, "stream": True}) as r:
+        events = sse_events(r.iter_lines())
+    streamed = ["", ""]
+    for e in events[:-1]:
+        for c in e["choices"]:
+            streamed[c["index"]] += c["text"]
+    assert streamed == [c["text"] for c in a["choices"]]
     # logit_bias can force a token; logprobs list the chosen token and the top ones
     forced = completion(server, prompt=prompt, max_tokens=4, temperature=0, ignore_eos=True,
                         logit_bias={"300": 100}, logprobs=3).json()["choices"][0]
