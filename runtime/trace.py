@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-KERNEL_METHODS = ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")
+KERNEL_METHODS = ("plan_step", "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")
 
 
 class NullTracer:
