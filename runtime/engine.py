@@ -1,5 +1,8 @@
 """The serving loop: add requests, then step = schedule -> execute -> sample -> update -> stop checks.
 
+step() returns the requests that finished in the step; run_step() also returns every sample's new
+tokens (with log-probabilities when asked), which a streaming front end forwards as they come.
+
 Stop conditions: max_tokens (the scheduler's), EOS unless ignore_eos, stop_token_ids, stop
 strings (output text is cut where the stop string begins).
 """
@@ -16,9 +19,10 @@ from .executor import Executor
 from .kernels import KernelOps, make_backend
 from .loader import load
 from .model import LlamaForCausalLM
-from .sampling import Sampler
+from .sampling import Sampler, TokenLogprob
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
+from .trace import NullTracer, TracedKernels
 
 DTYPES = {ir.DTYPES[d].torch: ir.torch_dtype(d) for d in ir.FLOAT_DTYPES}  # EngineConfig.dtype: torch's names
 
@@ -38,6 +42,23 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+
+
+@dataclass
+class Delta:
+    """What one step added to sample `index` of a request."""
+
+    request_id: int
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # set in the step the sample finishes
+
+
+@dataclass
+class StepOutput:
+    deltas: list[Delta] = field(default_factory=list)
+    finished: list[RequestOutput] = field(default_factory=list)  # requests whose samples all finished
 
 
 @dataclass
@@ -92,6 +113,7 @@ class Engine:
         self.executor = Executor(self.model, self.kernels, sc.num_pages, sc.num_cpu_pages, sc.page_size,
                                  ec.device, self.dtype)
         self.sampler = Sampler(ec.seed)
+        self.tracer = NullTracer()
         self.requests: dict[int, Request] = {}
         self._seq_request: dict[int, tuple[Request, int]] = {}  # seq_id -> (request, sample index)
         self._ids = itertools.count()
@@ -104,6 +126,8 @@ class Engine:
             raise TypeError(f"unknown engine arguments {unknown}; scheduler options are {sorted(names)}")
         kw = dict(kw)
         P = kw.setdefault("page_size", 16)
+        if not isinstance(P, int) or isinstance(P, bool) or P < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {P!r}")
         max_len = min(kw.get("max_model_len") or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if kw.get("num_pages") is None:
             page_bytes = cfg.num_layers * 2 * P * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
@@ -119,6 +143,11 @@ class Engine:
             free, _ = torch.cuda.mem_get_info()
             return int(free * 0.6)
         return 512 << 20
+
+    def set_tracer(self, tracer) -> None:
+        """Record steps, kernel calls and KV events into tracer (a trace.Tracer)."""
+        self.tracer = tracer
+        self.executor.kernels = TracedKernels(self.kernels, tracer)
 
     # ---- requests -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -144,6 +173,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self.encode_prompt(prompt)
+        params.check_vocab(self.model.cfg.vocab_size)
         rid = next(self._ids)
         req = Request(rid, text, ids, params)
         seq = Sequence(rid, list(ids), len(ids), params, priority=priority)
@@ -152,6 +182,7 @@ class Engine:
         for i, s in enumerate(req.seqs):
             self._seq_request[s.seq_id] = (req, i)
         self.requests[rid] = req
+        self.tracer.instant("add_request", "request", request_id=rid, prompt_tokens=len(ids), n=params.n)
         return rid
 
     def abort(self, request_id: int) -> None:
@@ -160,6 +191,8 @@ class Engine:
             if not seq.is_finished:
                 self.scheduler.abort(seq.seq_id)
                 self._finalize(seq)
+        if req is not None:
+            self.tracer.instant("abort", "request", request_id=request_id)
 
     def release(self, request_id: int) -> None:
         """Forget a finished request's bookkeeping."""
@@ -173,25 +206,55 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns the requests that finished in it."""
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
-            return []
-        seqs, logits = self.executor.execute(batch)
-        sampled = self.sampler.sample(seqs, logits)
-        self.scheduler.update(batch, sampled)
-        done = []
+        return self.run_step().finished
+
+    def run_step(self) -> StepOutput:
+        """One scheduler step; returns each sample's new tokens and the requests that finished."""
+        tr = self.tracer
+        with tr.span("step", "scheduler"):
+            with tr.span("schedule", "scheduler"):
+                preemptions = self.scheduler.num_preemptions
+                batch = self.scheduler.schedule()
+            if batch.is_empty:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
+                return StepOutput()
+            if tr.enabled:
+                self._trace_kv(batch, self.scheduler.num_preemptions - preemptions)
+            with tr.span("execute", "scheduler", seqs=len(batch.seqs), tokens=batch.num_tokens):
+                seqs, logits = self.executor.execute(batch)
+            with tr.span("sample", "scheduler", seqs=len(seqs)):
+                sampled = self.sampler.sample(seqs, logits)
+            with tr.span("update", "scheduler"):
+                self.scheduler.update(batch, sampled.tokens)
+                return self._collect(seqs, sampled)
+
+    def _collect(self, seqs: list[Sequence], sampled) -> StepOutput:
+        out = StepOutput()
         for seq in seqs:
             reason = None if seq.is_finished else self._stop_reason(seq)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
+            req, index = self._seq_request[seq.seq_id]
+            lp = sampled.logprobs.get(seq.seq_id)
             if seq.is_finished:
                 self._finalize(seq)
-                req = self._seq_request[seq.seq_id][0]
-                if all(s.is_finished for s in req.seqs):
-                    done.append(self.output(req.request_id))
-        return done
+            out.deltas.append(Delta(req.request_id, index, [sampled.tokens[seq.seq_id]], [lp] if lp else [],
+                                    seq.finish_reason if seq.is_finished else None))
+            if seq.is_finished and all(s.is_finished for s in req.seqs):
+                out.finished.append(self.output(req.request_id))
+                self.tracer.instant("finish", "request", request_id=req.request_id)
+        return out
+
+    def _trace_kv(self, batch, num_preempted: int) -> None:
+        tr, kv = self.tracer, self.scheduler.kv
+        for name, pairs in (("swap_out", batch.swap_out), ("swap_in", batch.swap_in), ("copy", batch.copies)):
+            if pairs:
+                tr.instant(name, "kv", pages=len(pairs))
+        if num_preempted:
+            tr.instant("preempt", "kv", count=num_preempted)
+        tr.counter("kv_pages", used=kv.num_pages - kv.num_free_pages, cached=len(kv.lru),
+                   free=len(kv.free_pages))
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         p, last = seq.params, seq.token_ids[-1]
