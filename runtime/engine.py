@@ -9,6 +9,7 @@ strings (output text is cut where the stop string begins).
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -24,6 +25,8 @@ from .scheduler import Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
 from .trace import NullTracer, TracedKernels
 
+log = logging.getLogger("uacompile.runtime")
+GPU_TOKEN_BUDGET = 8192  # CUDA default token budget of a step (and prefill chunk)
 DTYPES = {ir.DTYPES[d].torch: ir.torch_dtype(d) for d in ir.FLOAT_DTYPES}  # EngineConfig.dtype: torch's names
 
 
@@ -79,6 +82,9 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # KV budget when num_pages is not given
     seed: int = 0                     # seeds of requests that bring none
     cpu_threads: int | None = None    # torch.set_num_threads (process-wide); None leaves torch's default
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU the engine takes (weights, activations, KV)
+    cuda_graphs: bool = True          # CUDA: replay decode steps from graphs captured at start-up
+    progress: bool = True             # progress bars at start-up (kernel builds, graph captures)
 
 
 def _pick_dtype(ec: EngineConfig, checkpoint_dtype: str) -> torch.dtype:
@@ -110,8 +116,14 @@ class Engine:
         ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sc.page_size, self.dtype,
                                   cfg.sliding_window)
         self.kernels = make_backend(ec.kernel_backend, ops, ec.device)
+        built = self.kernels.prepare(sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len, ec.progress)
+        if built["kernels"]:
+            log.info("kernels: %d ready in %.1f s (%d libraries from the cache)", built["kernels"], built["seconds"],
+                     built["cached"])
         self.executor = Executor(self.model, self.kernels, sc.num_pages, sc.num_cpu_pages, sc.page_size,
                                  ec.device, self.dtype)
+        if ec.device == "cuda" and ec.cuda_graphs:
+            self.executor.capture_graphs(sc.max_num_seqs, sc.max_model_len, ec.progress)
         self.sampler = Sampler(ec.seed)
         self.tracer = NullTracer()
         self.requests: dict[int, Request] = {}
@@ -125,23 +137,36 @@ class Engine:
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}; scheduler options are {sorted(names)}")
         kw = dict(kw)
+        if self.engine_config.device == "cuda":  # a GPU step takes thousands of tokens at the matmul rate
+            kw.setdefault("max_num_batched_tokens", GPU_TOKEN_BUDGET)
+            kw.setdefault("max_prefill_chunk", kw["max_num_batched_tokens"])
         P = kw.setdefault("page_size", 16)
         if not isinstance(P, int) or isinstance(P, bool) or P < 1:
             raise ValueError(f"page_size must be an int >= 1, got {P!r}")
         max_len = min(kw.get("max_model_len") or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if kw.get("num_pages") is None:
             page_bytes = cfg.num_layers * 2 * P * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-            budget = self.engine_config.kv_cache_bytes or self._default_kv_budget()
+            budget = self.engine_config.kv_cache_bytes or self._default_kv_budget(kw)
             want = kw.get("max_num_seqs", 32) * -(-max_len // P)  # every running sequence at full length
+            if budget // page_bytes < -(-max_len // P) and self.engine_config.device == "cuda" \
+                    and not self.engine_config.kv_cache_bytes:
+                raise ValueError(f"the KV cache budget ({budget / 2**30:.2f} GiB: {self.memory.describe()}) "
+                                 f"holds {max(0, budget // page_bytes)} pages, fewer than one sequence of "
+                                 f"max_model_len={max_len} needs ({-(-max_len // P)}); lower max_model_len or "
+                                 f"max_num_batched_tokens, or raise gpu_memory_utilization")
             kw["num_pages"] = max(1, min(want, budget // page_bytes))
         kw.setdefault("num_cpu_pages", kw["num_pages"] if kw.get("preemption") == "swap" else 0)
         kw["max_model_len"] = min(max_len, kw["num_pages"] * P)
         return SchedulerConfig(**kw)
 
-    def _default_kv_budget(self) -> int:
+    def _default_kv_budget(self, kw: dict) -> int:
         if self.engine_config.device == "cuda":
-            free, _ = torch.cuda.mem_get_info()
-            return int(free * 0.6)
+            from .memory import profile
+
+            self.memory = profile(self.model, kw.get("max_num_batched_tokens", GPU_TOKEN_BUDGET),
+                                  kw.get("max_num_seqs", 32), self.engine_config.gpu_memory_utilization)
+            log.info("memory: %s", self.memory.describe())
+            return max(0, self.memory.kv_budget)
         return 512 << 20
 
     def set_tracer(self, tracer) -> None:

@@ -49,6 +49,10 @@ class KernelBackend:
     def run(self, op: ir.OpSpec, **tensors) -> None:
         raise NotImplementedError
 
+    def prepare(self, max_tokens: int, max_seqs: int, max_kv_len: int, progress: bool = False) -> dict:
+        """Build or load, before serving, every kernel a step within these limits may launch."""
+        return dict(kernels=0, cached=0, seconds=0.0)
+
     def plan_step(self, num_tokens: int, num_seqs: int, max_kv_len: int):
         """What a step's attention launches need, worked out once before its layers (None: nothing to plan)."""
         return None
@@ -130,14 +134,23 @@ class CUDABackend(KernelBackend):
         except ImportError as e:
             raise NotImplementedError(f"cuda backend: uacompile.targets.cuda is not available ({e})") from None
         layout.check(ops.attention)  # IRError naming the field the CUDA template does not cover
-        # the attention kernels of a one-split prefill step and decode step, as plan() picks them
-        # (split counts other than 1 build at their first step)
-        device = torch.cuda.current_device()
-        arch, sms = plan.device_arch(device), plan.device_sms(device)
-        steps = [ir.Kernel(ops.attention, plan.choose_config(ops.attention, t, 1, 0, sms, arch)) for t in (1, 2)]
-        api.preload([*steps, ops.cache_write, ops.copy, ops.swap])  # one nvcc run per kind, cached
         self.api, self.attention, self.planner = api, attention, plan
-        self.workspace = plan.Workspace(torch.device("cuda", device))
+        self.device = torch.cuda.current_device()
+        self.workspace = plan.Workspace(torch.device("cuda", self.device))
+
+    def prepare(self, max_tokens: int, max_seqs: int, max_kv_len: int, progress: bool = False) -> dict:
+        """Build or load every kernel a step within these limits may launch (planner.reachable_configs), so no
+        step waits for nvcc; returns {kernels, cached libraries, seconds}."""
+        import time
+
+        t0 = time.perf_counter()
+        plan = self.planner
+        arch, sms = plan.device_arch(self.device), plan.device_sms(self.device)
+        configs = plan.reachable_configs(self.ops.attention, max_tokens, max_seqs, max_kv_len, sms, arch)
+        kernels = [ir.Kernel(self.ops.attention, c) for c in configs]
+        kernels += [ir.Kernel(self.ops.cache_write), ir.Kernel(self.ops.copy), ir.Kernel(self.ops.swap)]
+        hits = self.api.preload(kernels, progress=progress)
+        return dict(kernels=len(kernels), cached=hits, seconds=time.perf_counter() - t0)
 
     def plan_step(self, num_tokens: int, num_seqs: int, max_kv_len: int):
         return self.planner.plan(self.ops.attention, num_tokens, num_seqs, max_kv_len, workspace=self.workspace)

@@ -99,19 +99,36 @@ def kernel(op: ir.OpSpec | ir.Kernel, arch: str | None = None) -> CudaKernel:
     return _kernels[key]
 
 
-def preload(ops, arch: str | None = None, workers: int = 4) -> None:
-    """Build many variants at once: one library (one nvcc run) per op kind, kinds in parallel;
-    later kernel(op) / friendly calls find them without building."""
+LIBRARY_KERNELS = 4  # kernels of one kind a preloaded library holds (one nvcc run each, run side by side)
+
+
+def preload(ops, arch: str | None = None, workers: int | None = None, progress: bool = False) -> int:
+    """Build (or load from the cache) many kernels at once, so later kernel(op) calls never build: libraries of up
+    to LIBRARY_KERNELS kernels of one kind (a fixed grouping of the sorted kernels, so a second start finds the
+    same cache entries), nvcc runs side by side on `workers` threads (default: the CPU count). Returns how many
+    libraries came from the cache."""
+    import os
     from concurrent.futures import ThreadPoolExecutor
 
-    by_kind: dict[str, list] = {}
-    for op in map(ir.as_kernel, ops):
-        by_kind.setdefault(op.kind, []).append(op)
-    with ThreadPoolExecutor(max(1, min(workers, len(by_kind)))) as pool:
-        libs = list(pool.map(lambda group: (group, load(group, arch)), by_kind.values()))
-    for group, lib in libs:
-        for op in group:
-            _kernels.setdefault((op, arch), CudaKernel(op, arch, library=lib))
+    from tqdm import tqdm
+
+    kernels = sorted({ir.as_kernel(op) for op in ops if (ir.as_kernel(op), arch) not in _kernels},
+                     key=lambda k: (k.kind, k.symbol()))
+    groups: list[list] = []
+    for k in kernels:
+        if groups and groups[-1][0].kind == k.kind and len(groups[-1]) < LIBRARY_KERNELS:
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    hits = 0
+    with ThreadPoolExecutor(max(1, min(workers or os.cpu_count() or 1, len(groups) or 1))) as pool, \
+            tqdm(total=len(kernels), desc="kernels", unit="kernel", disable=not progress, dynamic_ncols=True) as bar:
+        for group, lib in zip(groups, pool.map(lambda g: load(g, arch), groups)):
+            hits += bool(lib.build and lib.build.hit)
+            for k in group:
+                _kernels.setdefault((k, arch), CudaKernel(k, arch, library=lib))
+            bar.update(len(group))
+    return hits
 
 
 def _kv_dtype(name: str, t: torch.Tensor) -> str:
