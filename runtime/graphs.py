@@ -63,6 +63,7 @@ class DecodeGraphs:
         self.h_tables = {w: torch.zeros((B, w), dtype=torch.int32, **pin) for w in self.widths}
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = None
+        self.replays = 0  # decode steps served from a graph
 
     def fits(self, hs) -> bool:
         return len(hs.input_ids) <= self.B and hs.page_table.shape[1] <= self.widths[-1]
@@ -125,6 +126,7 @@ class DecodeGraphs:
         self.slot_mapping[:bs].copy_(self.h_slot[:bs], non_blocking=True)
         self.tables[w][:bs].copy_(self.h_tables[w][:bs], non_blocking=True)
         g.graph.replay()
+        self.replays += 1
         return g.logits[:n]
 
 
