@@ -78,6 +78,10 @@ class CudaKernel:
 
     def __call__(self, **kwargs) -> None:
         args, device = self.bind(kwargs)
+        self.launch(args, device)
+
+    def launch(self, args: list, device: torch.device) -> None:
+        """Run the launcher on torch's current stream of device with C arguments from bind()."""
         if device.index == torch.cuda.current_device():  # the launcher runs on the current device
             rc = self.fn(*args, self.ffi.cast("void*", torch.cuda.current_stream().cuda_stream))
         else:
@@ -85,6 +89,36 @@ class CudaKernel:
                 rc = self.fn(*args, self.ffi.cast("void*", torch.cuda.current_stream(device).cuda_stream))
         if rc:
             raise RuntimeError(f"{self.kernel.symbol()}: CUDA error {rc} ({_error_name(rc)}) at launch")
+
+    def launcher(self, fixed: dict, varying: dict) -> "Launcher":
+        """A call with `fixed` tensors checked and bound once (launch(**varying) then checks only the others)."""
+        return Launcher(self, fixed, varying)
+
+
+class Launcher:
+    """A CudaKernel's call with some arguments bound once: made from one full check of every argument, each call
+    checks only the varying tensors against the dtype, shape, device and layout they had then (anything else is
+    re-checked in full, so a mismatch raises the same error a plain call would) and swaps in their pointers.
+    The fixed tensors must stay alive and keep their data where they are (a plan's step inputs and workspaces)."""
+
+    def __init__(self, kernel: CudaKernel, fixed: dict, varying: dict):
+        self.kernel, self.fixed = kernel, dict(fixed)
+        self.args, self.device = kernel.bind({**fixed, **varying})
+        order = [p.name for p in kernel.tensor_specs]
+        self.slots = tuple((name, order.index(name), t.dtype, tuple(t.shape)) for name, t in varying.items()
+                           if t is not None)
+        self.cast = kernel.ffi.cast
+
+    def __call__(self, **varying) -> None:
+        args, cast, device = list(self.args), self.cast, self.device
+        for name, i, dtype, shape in self.slots:
+            t = varying[name]
+            if (t.dtype is not dtype or t.shape != shape or t.device != device or not t.is_contiguous()
+                    or t.data_ptr() % ALIGN):
+                args, _ = self.kernel.bind({**self.fixed, **varying})  # the full check's error, or its arguments
+                break
+            args[i] = cast("void*", t.data_ptr())
+        self.kernel.launch(args, device)
 
 
 _kernels: dict[tuple, CudaKernel] = {}

@@ -11,7 +11,7 @@ alone (so a captured graph fixes it), or is given. Nothing here runs per layer.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from uacompile import ir
 from .config import AttentionConfig
@@ -166,6 +166,7 @@ class Plan:
     num_seqs: int
     device_index: int
     workspace: dict  # tensor name -> the plan's buffer (o_partial, lse_partial, split_counters, item_queue)
+    launchers: dict = field(default_factory=dict)  # attention.run's bound call (api.Launcher) of the step's tensors
 
     @property
     def num_splits(self) -> int:

@@ -174,3 +174,28 @@ def test_graph_of_run_follows_inputs_changed_in_place(api, rng, step):
         for i, (inputs, (out, lse)) in enumerate(zip(fresh, outs)):
             check_outputs(f"{step}/replay{replay}/layer{i}", op, inputs, out, lse)
         assert_workspace_zero(f"replay{replay}", p)
+
+
+@gpu
+def test_run_binds_the_step_once_and_checks_each_layer(api, rng):
+    """run() checks the step's tensors once (the plan's bound call) and each layer's q, caches and out every call:
+    three layers on one set of step tensors match the reference, and a later layer's wrong dtype, shape or device
+    is refused with the plain call's error."""
+    op = OPS["bf16"].replace(return_lse=False)
+    layers = layers_of(op, rng, "mixed")
+    p = plan_of(op, layers[0])
+    step = {k: v for k, v in device_inputs(op, layers[0]).items() if k not in PER_LAYER}
+    for i, inputs in enumerate(layers):
+        dev = {**device_inputs(op, inputs), **step}
+        out = torch.full_like(dev["q"], float("nan"))
+        attention.run(p, **dev, out=out)
+        torch.cuda.synchronize()
+        check_outputs(f"layer {i}", op, inputs, out)
+    assert len(p.launchers) == 1
+    dev = {**device_inputs(op, layers[0]), **step}
+    with pytest.raises(TypeError, match="q"):
+        attention.run(p, **{**dev, "q": dev["q"].half()})
+    with pytest.raises(ValueError, match="q"):
+        attention.run(p, **{**dev, "q": dev["q"][:, :, :64].contiguous()})
+    with pytest.raises(ValueError, match="k_cache"):
+        attention.run(p, **{**dev, "k_cache": dev["k_cache"].cpu()})
