@@ -18,7 +18,7 @@ from uacompile import ir
 
 from .executor import Executor
 from .kernels import KernelOps, make_backend
-from .loader import load
+from .loader import LoadedModel, load
 from .model import LlamaForCausalLM
 from .sampling import Sampler, TokenLogprob
 from .scheduler import Scheduler, SchedulerConfig
@@ -85,6 +85,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU the engine takes (weights, activations, KV)
     cuda_graphs: bool = True          # CUDA: replay decode steps from graphs captured at start-up
     progress: bool = True             # progress bars at start-up (kernel builds, graph captures)
+    attention_variant: str = "ua"     # ua | unified_masked (llama.cpp's unified KV buffer, a measured baseline)
 
 
 def _pick_dtype(ec: EngineConfig, checkpoint_dtype: str) -> torch.dtype:
@@ -98,7 +99,7 @@ def _pick_dtype(ec: EngineConfig, checkpoint_dtype: str) -> torch.dtype:
 
 
 class Engine:
-    def __init__(self, model: str, engine_config: EngineConfig | None = None, **scheduler_kwargs):
+    def __init__(self, model: "str | LoadedModel", engine_config: EngineConfig | None = None, **scheduler_kwargs):
         ec = self.engine_config = engine_config or EngineConfig()
         if ec.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {ec.device!r}")
@@ -106,15 +107,18 @@ class Engine:
             raise ValueError("device='cuda' but torch sees no CUDA GPU")
         if ec.cpu_threads is not None:
             torch.set_num_threads(ec.cpu_threads)  # tiny models on a busy CPU run faster on one thread
-        loaded = load(model)
+        loaded = model if isinstance(model, LoadedModel) else load(model)
         cfg, self.tokenizer = loaded.config, loaded.tokenizer
         self.dtype = _pick_dtype(ec, cfg.torch_dtype)
-        self.model = LlamaForCausalLM.from_weights(cfg, loaded.weights, ec.device, self.dtype)
+        if loaded.weights is None:  # a config alone: random weights made on the device (benchmarks)
+            self.model = LlamaForCausalLM.random(cfg, ec.device, self.dtype, ec.seed)
+        else:
+            self.model = LlamaForCausalLM.from_weights(cfg, loaded.weights, ec.device, self.dtype)
         del loaded
         sc = self._scheduler_config(cfg, scheduler_kwargs)
         self.scheduler = Scheduler(sc)
         ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sc.page_size, self.dtype,
-                                  cfg.sliding_window)
+                                  cfg.sliding_window, ec.attention_variant)
         self.kernels = make_backend(ec.kernel_backend, ops, ec.device)
         built = self.kernels.prepare(sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len, ec.progress)
         if built["kernels"]:

@@ -29,12 +29,12 @@ class KernelOps:
 
     @classmethod
     def for_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
-                  sliding_window: int = 0) -> "KernelOps":
+                  sliding_window: int = 0, variant: str = "ua") -> "KernelOps":
         dt = ir.from_torch(dtype)
         if dt not in ir.FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {[ir.torch_dtype(d) for d in ir.FLOAT_DTYPES]}, got {dtype}")
         return cls(ir.PagedAttention(num_heads, num_kv_heads, head_dim, page_size, q_dtype=dt, kv_dtype=dt,
-                                     window=sliding_window),
+                                     window=sliding_window, variant=variant),
                    ir.ReshapeAndCache(num_kv_heads, head_dim, page_size, dtype=dt, kv_dtype=dt),
                    ir.CopyBlocks(num_kv_heads, head_dim, page_size, kv_dtype=dt),
                    ir.SwapBlocks(num_kv_heads, head_dim, page_size, kv_dtype=dt))

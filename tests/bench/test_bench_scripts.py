@@ -2,6 +2,7 @@
 device time: import each one here (no GPU needed to import) and parse its command line."""
 from __future__ import annotations
 
+import json
 import importlib
 import importlib.util
 import subprocess
@@ -271,3 +272,22 @@ def test_variant_sweep_takes_another_wgmma_tile(monkeypatch, tmp_path):
     meta = dict(_variants_run(sweep, ["d64", "base"]), wg_tile={"64": "192x4"})
     assert "Hopper prefill tiles changed for this run (row width: positions x stages): 64: 192x4." in \
         sweep.report(meta, tmp_path, "v")
+
+
+def test_serving_benchmark_runs_end_to_end_on_a_toy_model(tmp_path):
+    """bench/serving_gpu.py on the CPU with --tiny: the runtime and HF rows of a workload, the floors, the JSON's
+    fields the issue names, the table and the plot."""
+    pytest.importorskip("transformers")
+    res = subprocess.run([sys.executable, str(BENCH / "serving_gpu.py"), "--tiny", "--device", "cpu", "--out",
+                          str(tmp_path), "--impls", "uacompile-ua,hf-sdpa", "--workloads", "conc-2"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    meta = json.loads(next(tmp_path.glob("serving-*.json")).read_text())
+    assert {"gpu", "date", "model", "rows"} <= set(meta)
+    assert [(r["workload"], r["impl"]) for r in meta["rows"]] == [("conc-2", "uacompile-ua"), ("conc-2", "hf-sdpa")]
+    for r in meta["rows"]:
+        for k in ("ttft_mean_s", "ttft_p99_s", "tpot_ms", "output_tok_s", "ttft_floor_s", "tpot_floor_ms"):
+            assert r[k] > 0, (k, r)
+    assert next(tmp_path.glob("serving-*.md")).read_text().count("| conc-2 |") == 2
+    if importlib.util.find_spec("matplotlib"):
+        assert next(tmp_path.glob("serving-*.png")).stat().st_size > 10_000
