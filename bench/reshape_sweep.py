@@ -2,10 +2,9 @@
 
     PYTHONPATH=... python3 bench/reshape_sweep.py [--only rows4,oneshot] [--list]   # JSON to $OUT if set
 
-A candidate is the template built with other design knobs (`_reshape_and_cache` in
-targets/cuda/render.py; UACOMPILE_RC_VARIANT is set only in the build worker processes, so
-the parallel builds do not see each other's knobs). Each candidate is one library holding
-the ops of bench/kernels.py RESHAPE_CASES. For every case and candidate: a correctness run
+A candidate is the template built with another ReshapeConfig (targets/cuda/config.py; the rule for the fields
+it leaves unset is `_reshape_and_cache` in targets/cuda/render.py). Each candidate is one library holding
+the kernels of bench/kernels.py RESHAPE_CASES. For every case and candidate: a correctness run
 on poisoned caches with every 5th slot -1, against the numpy reference (bit for bit; K with
 fused RoPE as tests/targets/cuda/test_cuda_api_gpu.py allows, <= 1e-4 of the written rows, and bit for bit with
 the first candidate); for quantised caches a second run with rows outside the fast quantisation
@@ -59,14 +58,12 @@ CANDIDATES = {
 }
 
 
-def build_candidate(design: str, ops: list, arch: str) -> str:
-    """In a spawned worker: ops built with the candidate's knobs in UACOMPILE_RC_VARIANT (the worker's own
-    environment, read when the template renders); the library's path."""
-    from uacompile.targets.cuda.build import build
-    from uacompile.targets.cuda.render import RC_DESIGN_ENV
+def candidate_kernel(name: str, op):
+    """The candidate's kernel of op: op with the candidate's ReshapeConfig."""
+    from uacompile import ir
+    from uacompile.targets.cuda.config import ReshapeConfig
 
-    os.environ[RC_DESIGN_ENV] = design
-    return str(build(ops, arch).path)
+    return ir.Kernel(op, ReshapeConfig.parse(CANDIDATES[name]))
 
 
 def build_failure(e: Exception) -> str:
@@ -76,22 +73,25 @@ def build_failure(e: Exception) -> str:
 
 
 def build_all(names: list[str], ops: list, arch: str) -> tuple[dict, dict]:
-    """Parallel nvcc runs, one spawned process per candidate (no build sees another's knobs), loaded here:
+    """One library a candidate (its kernels: ops with its ReshapeConfig), nvcc runs side by side on threads:
     {name: library}, {name: its build's error in one line}."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor
 
-    from uacompile.targets.cuda.loader import load_library
+    from uacompile.targets.cuda.loader import load
+
+    def one(n):
+        try:
+            return n, load([candidate_kernel(n, op) for op in ops], arch), None
+        except Exception as e:  # noqa: BLE001 - a candidate that does not build is a row, not the end
+            return n, None, build_failure(e)
 
     libs, failed = {}, {}
-    workers = max(1, min(len(names), os.cpu_count() or 1))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {n: pool.submit(build_candidate, CANDIDATES[n], ops, arch) for n in names}
-        for n, fut in futures.items():
-            try:
-                libs[n] = load_library(fut.result(), ops)
-            except Exception as e:  # noqa: BLE001 - a candidate that does not build is a row, not the end
-                failed[n] = build_failure(e)
+    with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        for n, lib, err in pool.map(one, names):
+            if lib is not None:
+                libs[n] = lib
+            else:
+                failed[n] = err
     return libs, failed
 
 
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
             if n not in libs:
                 rows.append(dict(shape=case.shape, candidate=n, design=CANDIDATES[n], check=failed[n]))
                 continue
-            kern = api.CudaKernel(case.op, library=libs[n])
+            kern = api.CudaKernel(candidate_kernel(n, case.op), library=libs[n])
             try:
                 status = check(kern, case, check_slots, expected, first, special)
             except RuntimeError as e:  # a candidate that cannot launch must not lose the others' rows

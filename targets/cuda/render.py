@@ -24,7 +24,7 @@ import jinja2
 
 from uacompile import ir
 
-from .config import config_of
+from .config import ReshapeConfig, config_of
 from .layout import HOPPER_ARCHS, TEMPLATE, check, dynamic_prefill, layout, uses_wgmma, wgmma_width
 
 SM90A_MARKER = "// UA_REQUIRES_SM90A"
@@ -65,29 +65,11 @@ def lane_group(chunks: int) -> int:
 
 
 # ---------------------------------------------------------------- per-op context builders
-RC_DESIGN_ENV = "UACOMPILE_RC_VARIANT"  # reshape_and_cache design knobs of a build worker (bench/reshape_sweep.py)
-
-
-def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
-    """Template context; `design` overrides the tuned choices (bench/reshape_sweep.py builds
-    candidates that way, in worker processes, through UACOMPILE_RC_VARIANT="rows=4,waves=0"):
-    rows (R heads per step: the largest divisor of Hkv up to it), steps (S steps per task; R*S divides Hkv), threads,
-    waves (grid cap in resident-block waves, 0 = one task per lane group), min_blocks
-    (__launch_bounds__ minimum), stages (steps in flight through shared memory by cp.async; 0 =
-    a register double buffer), fast_quant (0/1), neox ("paired" / "reload"), group (lanes per
-    row: a power of two, at most the default; fewer lanes hold more vectors of the row each),
-    quant ("classic" / "lean": the general quantisation path once per step, no division or
-    reciprocal calls on the fast path), amax ("bits" / "packed": K and V rows' 16-bit maxima in one shuffle; with quant=lean),
-    prefetch (L2 prefetch of the rows this many tokens ahead; 0 = off), oneshot (0/1, with waves=0:
-    a warp's one round known at compile time, no next-task loads or loop-carried copies)."""
-    import os
-
-    if not design and os.environ.get(RC_DESIGN_ENV):
-        design = dict(kv.split("=", 1) for kv in os.environ[RC_DESIGN_ENV].split(","))
-    unknown = set(design) - {"rows", "steps", "threads", "waves", "min_blocks", "stages", "fast_quant", "neox",
-                             "group", "quant", "amax", "prefetch", "oneshot"}
-    if unknown:
-        raise ValueError(f"reshape_and_cache design: unknown knobs {sorted(unknown)}")
+def _reshape_and_cache(kernel: ir.Kernel, arch: str = "sm_90"):
+    """Template context of a reshape_and_cache kernel: its ReshapeConfig's fields where set (config.py documents
+    them; bench/reshape_sweep.py builds candidates that way), the built-in rule for the rest."""
+    op = kernel.op
+    design = kernel.config.overrides() if isinstance(kernel.config, ReshapeConfig) else {}
     # Production knobs of quantised caches without RoPE; a candidate's knobs override them.
     # Lean + packed beat the classic path for int8 / fp8, bit-exact; a min_blocks=5 cap gains on int8
     # but spills, so it is left out.
@@ -142,8 +124,8 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
         # 71-76% / 81% of the copy ceiling (fp16 / int8 / fp8 / RoPE) against 72 / 64 / 67 / 73% with a
         # persistent one-wave grid
         waves=int(design.get("waves", 0)), min_blocks=int(design.get("min_blocks", 0)),
-        fast_quant=bool(int(design.get("fast_quant", 1))), quant=quant, amax=amax, prefetch=int(design.get("prefetch", 0)),
-        oneshot=bool(int(design.get("oneshot", 0))),
+        fast_quant=bool(design.get("fast_quant", True)), quant=quant, amax=amax, prefetch=int(design.get("prefetch", 0)),
+        oneshot=bool(design.get("oneshot", False)),
         quantized=op.quantized, rope=op.rope,
         rope_theta=op.rope_theta, inv_freq=inv_freq, rope_interleaved=op.rope_interleaved, rope_mode=mode)
 
@@ -227,7 +209,7 @@ def render_op(op: ir.OpSpec | ir.Kernel, arch: str = "sm_90", shape: int = 0) ->
         raise ir.IRError("op", f"has no CUDA template: {op.kind!r} (have {sorted(CONTEXT_BUILDERS)})")
     if not 0 <= shape < code_shapes(op, arch):
         raise ValueError(f"shape: {op.kind} has {code_shapes(op, arch)} code shape(s) on {arch}, got {shape}")
-    builder_arg = kernel if op.kind == "paged_attention" else op
+    builder_arg = kernel if op.kind in ("paged_attention", "reshape_and_cache") else op
     template, ctx = CONTEXT_BUILDERS[op.kind](builder_arg, arch, shape) if shape else CONTEXT_BUILDERS[op.kind](builder_arg, arch)
     common = dict(op=op, symbol=kernel.symbol(), ns=f"{kernel.symbol()}_impl", signature=ir.c_signature(kernel))
     return environment().get_template(template).render(**common, **ctx)

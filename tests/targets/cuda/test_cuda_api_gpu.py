@@ -202,7 +202,7 @@ def test_reshape_sweep_candidates_match_reference(candidate_libraries, reshape_r
 
     for (op, tokens), (inp, want) in reshape_references.items():
         dev = {k: to_torch(v) for k, v in inp.items() if isinstance(v, np.ndarray)}
-        api.CudaKernel(op, library=candidate_libraries[name])(**dev)
+        api.CudaKernel(_sweep().candidate_kernel(name, op), library=candidate_libraries[name])(**dev)
         torch.cuda.synchronize()
         try:
             check_reshape(op, dev, want)
