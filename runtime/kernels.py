@@ -146,7 +146,8 @@ class CUDABackend(KernelBackend):
         t0 = time.perf_counter()
         plan = self.planner
         arch, sms = plan.device_arch(self.device), plan.device_sms(self.device)
-        configs = plan.reachable_configs(self.ops.attention, max_tokens, max_seqs, max_kv_len, sms, arch)
+        P = self.ops.attention.page_size  # a step's page tables span whole pages
+        configs = plan.reachable_configs(self.ops.attention, max_tokens, max_seqs, -(-max_kv_len // P) * P, sms, arch)
         kernels = [ir.Kernel(self.ops.attention, c) for c in configs]
         kernels += [ir.Kernel(self.ops.cache_write), ir.Kernel(self.ops.copy), ir.Kernel(self.ops.swap)]
         hits = self.api.preload(kernels, progress=progress)
