@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ir import QMAX, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, numpy_dtype
+from .ir import (QMAX, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, RMSNorm, Rope, SiluAndMul, SwapBlocks,
+                 numpy_dtype)
 
 
 def f64(x) -> np.ndarray:
@@ -161,6 +162,35 @@ def swap_blocks(op: SwapBlocks, src, dst, mapping, src_scales=None, dst_scales=N
         dst_scales[:, :, m[:, 1]] = src_scales[:, :, m[:, 0]]
 
 
+# ---------------------------------------------------------------- layer ops
+def _round(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 -> dtype -> float64 (bf16 through float32, as ml_dtypes rounds and common.cuh's round_double)."""
+    return f64(np.asarray(x, np.float64).astype(numpy_dtype(dtype)))
+
+
+def rms_norm(op: RMSNorm, x, weight, residual=None):
+    """Returns out [T, E] float64; with op.residual, writes h = dtype(x + residual) into residual in place."""
+    h = f64(x)
+    if op.residual:
+        h = _round(h + f64(residual), op.dtype)
+        residual[...] = h.astype(residual.dtype)
+    normed = h / np.sqrt((h * h).mean(axis=-1, keepdims=True) + op.eps)
+    return _round(normed, op.dtype) * f64(weight)
+
+
+def silu_and_mul(op: SiluAndMul, x):
+    """Returns out [T, I] float64 = dtype(silu(gate)) * up."""
+    x = f64(x)
+    g, u = x[:, :op.intermediate_size], x[:, op.intermediate_size:]
+    return _round(g / (1.0 + np.exp(-g)), op.dtype) * u
+
+
+def rope_op(op: Rope, x, positions):
+    """In place: x = dtype(rope(x, positions)) (reference.rope's math); returns x."""
+    x[...] = rope(x, positions, op.rope_theta, op.interleaved).astype(x.dtype)
+    return x
+
+
 def run(op, **arrays):
     """Dispatch by kind with keyword arrays named as in op.params(); op may be an ir.Kernel, whose config's
     split fields (signature()) select partials or the merged output."""
@@ -173,5 +203,6 @@ def run(op, **arrays):
             extra = dict(num_splits=sig.get("num_splits", 1), fused_merge=sig.get("fused_merge", False))
         op = op.op
     fn = {"paged_attention": paged_attention, "merge_state": merge_state, "reshape_and_cache": reshape_and_cache,
-          "copy_blocks": copy_blocks, "swap_blocks": swap_blocks}[op.kind]
+          "copy_blocks": copy_blocks, "swap_blocks": swap_blocks, "rms_norm": rms_norm, "silu_and_mul": silu_and_mul,
+          "rope": rope_op}[op.kind]
     return fn(op, **arrays, **extra)
