@@ -7,7 +7,7 @@ lanes collapse to one (TX = 1), so the same body runs with no shuffles.
 from __future__ import annotations
 
 from ..ir import QMAX, CopyBlocks, MergeState, ReshapeAndCache, SwapBlocks
-from .tvm_kernels import ALIGN, TIR_DTYPE, lanes_for, merge_row_macro, quantize_f32
+from .tvm_kernels import ALIGN, TIR_DTYPE, lanes_for, merge_row_macro, quantize_f32, rope_cos_sin
 
 FULL = 0xFFFFFFFF
 COPY_THREADS = 128
@@ -46,10 +46,7 @@ def reshape_and_cache(op: ReshapeAndCache, gpu: bool):
         else:
             i = d % (D // 2)
             x_a, x_b, first = src[t, h, i], src[t, h, i + D // 2], d < D // 2
-        expo = tirx.Cast("float64", 2 * i) / tirx.const(float(D), "float64")
-        inv_freq = tirx.const(1.0, "float64") / tirx.pow(tirx.const(op.rope_theta, "float64"), expo)
-        ang = tirx.Cast("float64", pos) * inv_freq
-        c, s = tirx.cos(ang), tirx.sin(ang)
+        c, s = rope_cos_sin(i, pos, op.rope_theta, D)
         val = tirx.Select(first, f64(x_a) * c - f64(x_b) * s, f64(x_b) * c + f64(x_a) * s)
         return tirx.Cast("float32", tirx.Cast(in_dt, val))
 

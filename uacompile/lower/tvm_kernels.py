@@ -20,7 +20,8 @@ TIR_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "
              "fp8_e4m3": "uint8", "int32": "int32", "int64": "int64"}
 
 # source files whose text is part of every kernel's cache key
-GENERATOR_FILES = [Path(__file__).with_name(n) for n in ("tvm_kernels.py", "tvm_attention.py", "tvm_cache_ops.py")]
+GENERATOR_FILES = [Path(__file__).with_name(n)
+                   for n in ("tvm_kernels.py", "tvm_attention.py", "tvm_cache_ops.py", "tvm_layer_ops.py")]
 
 TARGETS = ("cpu", "cuda")
 
@@ -45,14 +46,15 @@ def prim_func(op, target: str = "cpu"):
     """The TIR kernel of a kernel (an op and its TVMConfig; an op alone: the default config) for target 'cpu' or
     'cuda' (global_symbol = its symbol())."""
     from ..ir import as_kernel
-    from . import tvm_attention, tvm_cache_ops
+    from . import tvm_attention, tvm_cache_ops, tvm_layer_ops
 
     kernel = as_kernel(op)
     if target not in TARGETS:
         raise ValueError(f"target: must be one of {TARGETS}, got {target!r}")
     gen = {"paged_attention": tvm_attention.paged_attention, "reshape_and_cache": tvm_cache_ops.reshape_and_cache,
            "copy_blocks": tvm_cache_ops.copy_blocks, "swap_blocks": tvm_cache_ops.swap_blocks,
-           "merge_state": tvm_cache_ops.merge_state}[kernel.kind]
+           "merge_state": tvm_cache_ops.merge_state, "rms_norm": tvm_layer_ops.rms_norm,
+           "silu_and_mul": tvm_layer_ops.silu_and_mul, "rope": tvm_layer_ops.rope}[kernel.kind]
     arg = kernel if kernel.kind == "paged_attention" else kernel.op
     return finalize(gen(arg, target == "cuda"), kernel)
 
@@ -119,6 +121,17 @@ def transform_score(op, score, h, j, kv_len, alibi_slopes=None):
         # j and kv_len are int64 expressions
         score = score + alibi_slopes[h] * tirx.Cast("float32", j - kv_len + tirx.const(1, "int64"))
     return score
+
+
+def rope_cos_sin(i, pos, theta: float, head_dim: int):
+    """cos and sin (float64) of RoPE pair i at position pos: angle = pos * inv_freq[i], inv_freq[i] =
+    1 / theta^(2i / D) in float64, the expression of reference.rope."""
+    from tvm import tirx
+
+    expo = tirx.Cast("float64", 2 * i) / tirx.const(float(head_dim), "float64")
+    inv_freq = tirx.const(1.0, "float64") / tirx.pow(tirx.const(theta, "float64"), expo)
+    ang = tirx.Cast("float64", pos) * inv_freq
+    return tirx.cos(ang), tirx.sin(ang)
 
 
 def neg_inf():
