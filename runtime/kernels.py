@@ -79,9 +79,10 @@ class TorchLayers:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def rope(self, x, positions, rope_theta: float | None, cos, sin):
-        """NeoX RoPE of x [T, H, D] at positions; rope_theta None: the model's frequencies are scaled, so only
-        its cos / sin tables [T, 1, D/2] are right. Returns the rotated x (may be x itself, rotated in place)."""
+    def rope(self, x, positions, rope_theta: float, freq_factors: tuple, cos, sin):
+        """NeoX RoPE of x [T, H, D] at positions, of frequencies 1 / rope_theta^(2i / D) / freq_factors[i]
+        (ir.Rope), which the model's cos / sin tables [T, 1, D/2] hold too. Returns the rotated x (may be x itself,
+        rotated in place)."""
         return apply_rope(x, cos, sin)
 
 
@@ -118,12 +119,10 @@ class KernelLayers(TorchLayers):
         self.layer_kernel(ir.SiluAndMul(x.shape[1] // 2, TORCH_TO_IR[x.dtype]))(x=x, out=out)
         return out
 
-    def rope(self, x, positions, rope_theta: float | None, cos, sin):
-        if rope_theta is None:
-            return apply_rope(x, cos, sin)
+    def rope(self, x, positions, rope_theta: float, freq_factors: tuple, cos, sin):
         x = x.contiguous()
-        self.layer_kernel(ir.Rope(x.shape[1], x.shape[2], TORCH_TO_IR[x.dtype], float(rope_theta)))(
-            x=x, positions=positions)
+        op = ir.Rope(x.shape[1], x.shape[2], TORCH_TO_IR[x.dtype], float(rope_theta), freq_factors=freq_factors)
+        self.layer_kernel(op)(x=x, positions=positions)
         return x
 
 

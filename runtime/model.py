@@ -81,6 +81,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv
 
 
+def rope_freq_factors(cfg: ModelConfig, inv_freq: torch.Tensor) -> tuple[float, ...]:
+    """inv_freq as divisors of the unscaled 1 / theta^(2i / D) (ir.Rope.freq_factors); () when unscaled."""
+    D = cfg.head_dim
+    plain = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    factors = plain / inv_freq.to("cpu", torch.float64)
+    return () if bool((factors == 1).all()) else tuple(factors.tolist())
+
+
 class RMSNorm(nn.Module):
     """A norm's weight (HF name `weight`) and eps; the model runs it through its layer ops."""
 
@@ -197,16 +205,15 @@ class LlamaForCausalLM(nn.Module):
         if cfg.rope_freq_factors:  # GGUF rope_freqs: llama.cpp divides each frequency by its factor
             self.register_buffer("rope_freqs", torch.ones(cfg.head_dim // 2, dtype=torch.float32))
         self.inv_freq = rope_inv_freq(cfg)  # float64, deliberately not a buffer: .to(dtype) must not round it
+        self.rope_freq_factors: tuple[float, ...] = ()  # ir.Rope's form of inv_freq, set with it by _refresh_rope
         self.layers: TorchLayers = TorchLayers()  # the layer ops (use_kernels: a backend's kernels)
-        # RoPE as ir.Rope computes it (inv_freq from rope_theta alone), or None: scaled frequencies, torch only
-        plain = (cfg.rope_scaling or {}).get("rope_type", "default") == "default" and not cfg.rope_freq_factors
-        self.rope_theta = cfg.rope_theta if plain else None
 
     def _refresh_rope(self) -> None:
         inv = rope_inv_freq(self.cfg)
         if self.cfg.rope_freq_factors:
             inv = inv / self.rope_freqs.to(torch.float64).cpu()
         self.inv_freq = inv.to(self.model.embed_tokens.weight.device)
+        self.rope_freq_factors = rope_freq_factors(self.cfg, inv)
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
         ang = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # float64: exact at long positions
@@ -230,9 +237,8 @@ class LlamaForCausalLM(nn.Module):
                ir.SiluAndMul(cfg.intermediate_size, dt)]
         if cfg.qk_norm:
             ops.append(ir.RMSNorm(cfg.head_dim, dt, cfg.rms_norm_eps))
-        if self.rope_theta is not None:
-            ops += [ir.Rope(n, cfg.head_dim, dt, self.rope_theta) for n in sorted({cfg.num_heads, cfg.num_kv_heads})]
-        return ops
+        return ops + [ir.Rope(n, cfg.head_dim, dt, cfg.rope_theta, freq_factors=self.rope_freq_factors)
+                      for n in sorted({cfg.num_heads, cfg.num_kv_heads})]
 
     def use_kernels(self, layers: TorchLayers) -> None:
         """Run the layer ops through a kernel backend (kernels.KernelBackend), its kernels built now."""
@@ -241,11 +247,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope_tables(positions, x.dtype)  # the torch RoPE's tables (scaled frequencies included)
-        layers = self.layers
+        cos, sin = self.rope_tables(positions, x.dtype)  # the torch RoPE's tables
+        layers, theta, factors = self.layers, self.cfg.rope_theta, self.rope_freq_factors
 
         def rope(t):
-            return layers.rope(t, positions, self.rope_theta, cos, sin)
+            return layers.rope(t, positions, theta, factors, cos, sin)
 
         residual = None
         for layer in self.model.layers:

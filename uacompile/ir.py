@@ -495,7 +495,9 @@ class Rope(OpSpec):
 
     inv_freq[i] = 1 / rope_theta^(2i / D) and angle = position * inv_freq[i] in float64; NeoX rotate-half
     (element i pairs with i + D/2) or, with interleaved, GPT-J pairs (2i, 2i+1); a*cos - b*sin and
-    b*cos + a*sin in float64, rounded once to dtype (reference.rope).
+    b*cos + a*sin in float64, rounded once to dtype (reference.rope). freq_factors (D/2 positive
+    numbers, or empty) divide the frequencies: inv_freq[i] / freq_factors[i], which states scaled RoPE
+    (linear: every factor the same; llama3's per-frequency rule; GGUF's rope_freqs).
     """
 
     kind: ClassVar[str] = "rope"
@@ -504,9 +506,18 @@ class Rope(OpSpec):
     dtype: str = "fp16"
     rope_theta: float = 10000.0
     interleaved: bool = False
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self):
         _check_positive(self, "num_heads", "head_dim")
+        try:
+            object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))
+        except (TypeError, ValueError):
+            raise IRError(f"{self.kind}.freq_factors", f"must be a sequence of numbers, got {self.freq_factors!r}") from None
+        if self.freq_factors and (len(self.freq_factors) != self.head_dim // 2
+                                  or not all(f > 0 and math.isfinite(f) for f in self.freq_factors)):
+            raise IRError(f"{self.kind}.freq_factors",
+                          f"must be empty or head_dim / 2 = {self.head_dim // 2} finite numbers > 0, got {self.freq_factors!r}")
         _check_choice(self, "dtype", FLOAT_DTYPES)
         if self.head_dim % 2:
             raise IRError(f"{self.kind}.head_dim", f"must be even, got {self.head_dim}")

@@ -35,11 +35,17 @@ def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- RoPE
-def rope(x: np.ndarray, positions: np.ndarray, theta: float, interleaved: bool = False) -> np.ndarray:
+def rope_inv_freq(theta: float, head_dim: int, freq_factors=()) -> np.ndarray:
+    """RoPE's float64 frequencies [D/2]: 1 / theta^(2i / D), divided by freq_factors[i] when given."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    return inv_freq / np.asarray(freq_factors, np.float64) if len(freq_factors) else inv_freq
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, interleaved: bool = False, freq_factors=()) -> np.ndarray:
     """Rotary embedding of x [T, H, D] at positions [T] (NeoX rotate-half, or GPT-J pairs)."""
     x = f64(x)
     D = x.shape[-1]
-    inv_freq = 1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)  # [D/2]
+    inv_freq = rope_inv_freq(theta, D, freq_factors)  # [D/2]
     ang = f64(positions)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     if interleaved:
@@ -187,7 +193,7 @@ def silu_and_mul(op: SiluAndMul, x):
 
 def rope_op(op: Rope, x, positions):
     """In place: x = dtype(rope(x, positions)) (reference.rope's math); returns x."""
-    x[...] = rope(x, positions, op.rope_theta, op.interleaved).astype(x.dtype)
+    x[...] = rope(x, positions, op.rope_theta, op.interleaved, op.freq_factors).astype(x.dtype)
     return x
 
 

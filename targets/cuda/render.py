@@ -130,12 +130,7 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
     quant, amax = design.get("quant", "classic"), design.get("amax", "bits")
     if quant not in ("classic", "lean") or amax not in ("bits", "packed") or (amax == "packed" and quant != "lean"):
         raise ValueError(f"reshape_and_cache design: quant={quant} amax={amax} (packed needs lean)")
-    inv_freq = []
-    if op.rope:  # the reference's float64 inv_freq, same expression, printed exactly (repr round-trips)
-        import numpy as np
-
-        D = op.head_dim
-        inv_freq = [repr(float(f)) for f in 1.0 / op.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D)]
+    inv_freq = _inv_freq(op.rope_theta, op.head_dim) if op.rope else []
     return "cuda/reshape_and_cache.cu.j2", dict(
         Hkv=Hkv, D=op.head_dim, P=op.page_size, in_ctype=CTYPE[op.dtype], cache_ctype=CTYPE[op.kv_dtype],
         vec=vec, group=group, rows=rows, steps=steps, stages=stages, threads=int(design.get("threads", 256)),
@@ -203,11 +198,11 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _inv_freq(theta: float, head_dim: int) -> list[str]:
-    """The reference's float64 inv_freq (reference.rope: same expression), printed exactly (repr round-trips)."""
-    import numpy as np
+def _inv_freq(theta: float, head_dim: int, freq_factors=()) -> list[str]:
+    """The reference's float64 inv_freq (reference.rope_inv_freq), printed exactly (repr round-trips)."""
+    from uacompile.reference import rope_inv_freq
 
-    return [repr(float(f)) for f in 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)]
+    return [repr(float(f)) for f in rope_inv_freq(theta, head_dim, freq_factors)]
 
 
 def _rms_norm(op: ir.RMSNorm, arch: str):
@@ -235,7 +230,7 @@ def _rope(op: ir.Rope, arch: str):
         chunks = op.head_dim // 2 // vec
     return "cuda/rope.cu.j2", dict(H=op.num_heads, D=op.head_dim, vec=vec, interleaved=op.interleaved,
                                    heads_per_pass=max(1, min(op.num_heads, 256 // chunks)),
-                                   inv_freq=_inv_freq(op.rope_theta, op.head_dim))
+                                   inv_freq=_inv_freq(op.rope_theta, op.head_dim, op.freq_factors))
 
 
 CONTEXT_BUILDERS = {

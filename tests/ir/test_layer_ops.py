@@ -31,6 +31,9 @@ def test_rms_norm_rejects_bad_fields(kwargs, field):
     (Rope, dict(num_heads=4, head_dim=7), "rope.head_dim"), (Rope, dict(num_heads=0, head_dim=8), "rope.num_heads"),
     (Rope, dict(num_heads=4, head_dim=8, rope_theta=0.0), "rope.rope_theta"),
     (Rope, dict(num_heads=4, head_dim=8, interleaved="yes"), "rope.interleaved"),
+    (Rope, dict(num_heads=4, head_dim=8, freq_factors=(1.0, 2.0)), "rope.freq_factors"),
+    (Rope, dict(num_heads=4, head_dim=4, freq_factors=(1.0, 0.0)), "rope.freq_factors"),
+    (Rope, dict(num_heads=4, head_dim=4, freq_factors=(1.0, "x")), "rope.freq_factors"),
 ])
 def test_layer_ops_reject_bad_fields(cls, kwargs, field):
     with pytest.raises(IRError, match=field):
@@ -49,6 +52,9 @@ def test_layer_op_params_and_round_trip():
         assert op.symbol().startswith(f"ua_{op.kind}_")
     assert RMSNorm(64, eps=1e-5).key() != RMSNorm(64, eps=1e-6).key()
     assert len({Rope(4, 16).key(), Rope(4, 16, interleaved=True).key(), Rope(4, 16, rope_theta=1e6).key()}) == 3
+    scaled = Rope(2, 4, freq_factors=[1, 8])  # a list (JSON) becomes a tuple of floats: hashable, equal after a round trip
+    assert scaled.freq_factors == (1.0, 8.0) and hash(scaled) == hash(ir.op_from_dict(scaled.to_dict()))
+    assert scaled.key() != Rope(2, 4).key()
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -104,6 +110,14 @@ def test_rope_op_is_reshape_and_caches_rope(interleaved, dtype, rng):
     assert R.run(op, x=x, positions=inp["positions"]) is x
     np.testing.assert_array_equal(x.view(np.uint8), k_cache[0, :9].view(np.uint8))
     assert x.dtype == numpy_dtype(dtype)
+
+
+def test_rope_freq_factors_divide_the_frequencies(rng):
+    """Linear scaling by 4 (every factor 4) is RoPE at a quarter of each position; factors of 1 change nothing."""
+    x = testing.random_floats(rng, (6, 2, 8), "fp32").astype(np.float64)
+    pos = np.arange(6, dtype=np.int64) * 4
+    np.testing.assert_allclose(R.rope(x, pos, 1e4, freq_factors=[4.0] * 4), R.rope(x, pos // 4, 1e4), rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(R.rope(x, pos, 1e4, freq_factors=[1.0] * 4), R.rope(x, pos, 1e4))
 
 
 def test_rope_preserves_pair_norms_and_relative_angles(rng):

@@ -18,7 +18,7 @@ NORMS = [RMSNorm(64, "fp32", 1e-5, True), RMSNorm(96, "fp16", 1e-6), RMSNorm(80,
          RMSNorm(8, "fp32", 1e-5)]
 ACTS = [SiluAndMul(48, "fp32"), SiluAndMul(40, "fp16"), SiluAndMul(24, "bf16")]
 ROPES = [Rope(4, 16, "fp32"), Rope(2, 8, "fp32", 1e6, interleaved=True), Rope(3, 32, "fp16", 5e5),
-         Rope(2, 64, "bf16", 1e6, interleaved=True)]
+         Rope(2, 64, "bf16", 1e6, interleaved=True), Rope(2, 8, "fp32", 5e5, freq_factors=(1.0, 1.5, 8.0, 32.0))]
 
 
 def arrays(d):
@@ -60,7 +60,8 @@ def test_silu_and_mul(op, rng):
     np.testing.assert_allclose(got, reference.silu_and_mul(op, inp["x"]), rtol=tol, atol=tol * 1e-2)
 
 
-@pytest.mark.parametrize("op", ROPES, ids=lambda o: f"{o.dtype}-H{o.num_heads}-D{o.head_dim}-{'gptj' if o.interleaved else 'neox'}")
+@pytest.mark.parametrize("op", ROPES, ids=lambda o: f"{o.dtype}-H{o.num_heads}-D{o.head_dim}-{'gptj' if o.interleaved else 'neox'}"
+                         f"{'-scaled' if o.freq_factors else ''}")
 def test_rope_bit_exact(op, rng):
     inp = testing.rope_inputs(op, rng, 11)
     want = inp["x"].copy()
@@ -82,7 +83,7 @@ def test_bad_arguments_are_named(rng):
 def test_cuda_sources_compile(arch, tmp_path):
     from uacompile.lower.tvm_cuda import build_cuda_library
 
-    for op in (NORMS[0], NORMS[1], ACTS[2], ROPES[1], ROPES[2]):
+    for op in (NORMS[0], NORMS[1], ACTS[2], ROPES[1], ROPES[2], ROPES[4]):
         so = build_cuda_library(op, arch, tmp_path / op.symbol())
         assert f'extern "C" {c_signature(op)}' in so.with_suffix(".cu").read_text()
         syms = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True).stdout

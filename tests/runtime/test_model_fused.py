@@ -1,7 +1,7 @@
 """The model's fused layers on the CPU: fuse() merges q/k/v and gate/up (biases too) from the HF names; the
 layer ops run through a backend's kernels (here the TVM CPU kernels of ir.RMSNorm / SiluAndMul / Rope, on
 the same KernelLayers code the CUDA backend runs) give transformers' logits, as the torch layers do, with
-each op called as often as the model's layers need; scaled RoPE (llama3) stays on the torch tables."""
+each op called as often as the model's layers need, scaled RoPE (linear, llama3) included."""
 import numpy as np
 import pytest
 import torch
@@ -20,6 +20,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 CASES = {
     "llama": ("llama", {}),
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "llama-linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
     "qwen2-bias": ("qwen2", {}),
     "qwen3-qk-norm": ("qwen3", {"hidden_size": 48}),
 }
@@ -77,8 +78,15 @@ def test_layer_ops_of_a_model(case):
     assert ir.SiluAndMul(cfg.intermediate_size, "fp32") in ops
     assert (ir.RMSNorm(cfg.head_dim, "fp32", cfg.rms_norm_eps) in ops) == (name == "qwen3-qk-norm")
     rope = [op for op in ops if op.kind == "rope"]
-    assert ({op.num_heads for op in rope} == {cfg.num_heads, cfg.num_kv_heads}) == (name != "llama3-rope")
-    assert rope == [] if name == "llama3-rope" else all(op.rope_theta == cfg.rope_theta for op in rope)
+    assert {op.num_heads for op in rope} == {cfg.num_heads, cfg.num_kv_heads}
+    assert all(op.rope_theta == cfg.rope_theta and op.freq_factors == model.rope_freq_factors for op in rope)
+    factors = np.array(model.rope_freq_factors)
+    if name == "llama-linear-rope":
+        np.testing.assert_allclose(factors, 4.0, rtol=1e-15)
+    elif name == "llama3-rope":  # high frequencies kept, low ones divided by 8, a smooth band between
+        assert factors[0] == 1.0 and factors[-1] == 8.0 and len(set(factors.tolist())) > 2
+    else:
+        assert model.rope_freq_factors == ()
 
 
 def test_kernel_layers_match_transformers_and_torch_layers(case):
@@ -94,8 +102,8 @@ def test_kernel_layers_match_transformers_and_torch_layers(case):
     kernel_rows = runtime_logits(llm.engine.executor, prompts, chunks, np.random.default_rng(7))
     cfg, steps = runtime.cfg, max(map(len, chunks))  # the executor steps of the chunk plan above
     per_step = dict(rms_norm=(2 + 2 * cfg.qk_norm) * cfg.num_layers + 1, silu_and_mul=cfg.num_layers,
-                    rope=0 if name == "llama3-rope" else 2 * cfg.num_layers)
-    assert layers.launches == {k: v * steps for k, v in per_step.items() if v}
+                    rope=2 * cfg.num_layers)
+    assert layers.launches == {k: v * steps for k, v in per_step.items()}
     for ids, by_torch, by_kernels in zip(prompts, torch_rows, kernel_rows):
         want = hf_logits(model, ids)
         for pos, row in by_kernels.items():

@@ -123,13 +123,18 @@ def transform_score(op, score, h, j, kv_len, alibi_slopes=None):
     return score
 
 
-def rope_cos_sin(i, pos, theta: float, head_dim: int):
+def rope_cos_sin(i, pos, theta: float, head_dim: int, freq_factors=()):
     """cos and sin (float64) of RoPE pair i at position pos: angle = pos * inv_freq[i], inv_freq[i] =
-    1 / theta^(2i / D) in float64, the expression of reference.rope."""
+    1 / theta^(2i / D) in float64 (divided by freq_factors[i] when given), reference.rope_inv_freq's expression."""
     from tvm import tirx
 
     expo = tirx.Cast("float64", 2 * i) / tirx.const(float(head_dim), "float64")
     inv_freq = tirx.const(1.0, "float64") / tirx.pow(tirx.const(theta, "float64"), expo)
+    if freq_factors:  # the factor of pair i, picked from constants
+        factor = tirx.const(freq_factors[-1], "float64")
+        for j in range(len(freq_factors) - 2, -1, -1):
+            factor = tirx.Select(i == j, tirx.const(freq_factors[j], "float64"), factor)
+        inv_freq = inv_freq / factor
     ang = tirx.Cast("float64", pos) * inv_freq
     return tirx.cos(ang), tirx.sin(ang)
 

@@ -107,8 +107,8 @@ def rope(op: Rope, gpu: bool):
                     for v in T.serial(VEC):
                         ab[0] = f64(x[t, h, first(tx * VEC + v)])
                         ab[1] = f64(x[t, h, second(tx * VEC + v)])
-                        ab[2] = rope_cos_sin(tx * VEC + v, positions[t], op.rope_theta, D)[0]
-                        ab[3] = rope_cos_sin(tx * VEC + v, positions[t], op.rope_theta, D)[1]
+                        ab[2] = rope_cos_sin(tx * VEC + v, positions[t], op.rope_theta, D, op.freq_factors)[0]
+                        ab[3] = rope_cos_sin(tx * VEC + v, positions[t], op.rope_theta, D, op.freq_factors)[1]
                         x[t, h, first(tx * VEC + v)] = T.Cast(dt, ab[0] * ab[2] - ab[1] * ab[3])
                         x[t, h, second(tx * VEC + v)] = T.Cast(dt, ab[1] * ab[2] + ab[0] * ab[3])
 

@@ -22,6 +22,7 @@ LAYER_OP_VARIANTS = [
     A(12288, "bf16"), A(96, "fp16"), A(172, "fp32"), A(5, "bf16"),
     P(32, 128, "bf16", 1e6), P(8, 128, "bf16", 1e6), P(4, 16, "fp16"), P(2, 64, "fp16", interleaved=True),
     P(6, 8, "fp32", interleaved=True), P(6, 8, "fp32"), P(3, 6, "bf16", 5e5), P(8, 256, "fp32", 1e4, True),
+    P(8, 16, "bf16", 5e5, freq_factors=(1, 1, 1.5, 2.5, 8, 8, 8, 8)),  # llama3-style scaled frequencies
 ]
 
 
@@ -46,6 +47,9 @@ def test_rope_template_holds_the_reference_frequencies():
     got = np.array([float(v) for v in table.split(", ")])
     want = 1.0 / 12345.0 ** (np.arange(0, 16, 2, dtype=np.float64) / 16)
     assert (got == want).all()  # exact: the same float64 expression as reference.rope
+    scaled = render_op(P(4, 16, "fp16", 12345.0, freq_factors=(1, 2, 3, 4, 5, 6, 7, 8)))
+    table = re.search(r"INV_FREQ\[D / 2\] = \{ (.*) \};", scaled).group(1)
+    assert [float(v) for v in table.split(", ")] == list(want / np.arange(1, 9))
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -18,7 +18,8 @@ NORMS = [N(4096, "bf16", 1e-6), N(4096, "bf16", 1e-6, True), N(64, "fp16", 1e-5,
          N(8, "fp32", 1e-5, True), N(27, "fp16", 1e-6, True), N(32768, "fp32", 1e-6, True), N(5120, "bf16", 1e-5, True)]
 ACTS = [A(12288, "bf16"), A(96, "fp16"), A(172, "fp32"), A(5, "bf16"), A(14336, "fp16")]
 ROPES = [P(32, 128, "bf16", 1e6), P(8, 128, "bf16", 1e6), P(4, 16, "fp16"), P(2, 64, "fp16", interleaved=True),
-         P(6, 8, "fp32", interleaved=True), P(6, 8, "fp32"), P(3, 6, "bf16", 5e5), P(8, 256, "fp32", 1e4, True)]
+         P(6, 8, "fp32", interleaved=True), P(6, 8, "fp32"), P(3, 6, "bf16", 5e5), P(8, 256, "fp32", 1e4, True),
+         P(8, 16, "bf16", 5e5, freq_factors=(1, 1, 1.5, 2.5, 8, 8, 8, 8))]
 TOKENS = [1, 7, 300]
 
 
@@ -108,7 +109,8 @@ def test_silu_and_mul_matches_reference(op, num_tokens, rng):
 
 
 @pytest.mark.parametrize("num_tokens", TOKENS)
-@pytest.mark.parametrize("op", ROPES, ids=lambda o: f"{o.dtype}-H{o.num_heads}-D{o.head_dim}-{'gptj' if o.interleaved else 'neox'}")
+@pytest.mark.parametrize("op", ROPES, ids=lambda o: f"{o.dtype}-H{o.num_heads}-D{o.head_dim}-{'gptj' if o.interleaved else 'neox'}"
+                         f"{'-scaled' if o.freq_factors else ''}")
 def test_rope_matches_reference(op, num_tokens, rng):
     """Bit for bit but for device sin/cos differing from libm in the last float64 bit, which very rarely
     flips a rounding of the stored dtype (as reshape_and_cache's fused RoPE): 1 element in 10^4 may be 1 ulp off."""
