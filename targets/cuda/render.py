@@ -228,6 +228,8 @@ def _rope(op: ir.Rope, arch: str):
     else:  # the partner vector D/2 further must start a vector
         vec = vector_width(op.head_dim // 2, size)
         chunks = op.head_dim // 2 // vec
+    if chunks > 1024:
+        raise ir.IRError("rope.head_dim", f"the CUDA template covers a head in one block (<= 1024 threads), got {op.head_dim}")
     return "cuda/rope.cu.j2", dict(H=op.num_heads, D=op.head_dim, vec=vec, interleaved=op.interleaved,
                                    heads_per_pass=max(1, min(op.num_heads, 256 // chunks)),
                                    inv_freq=_inv_freq(op.rope_theta, op.head_dim, op.freq_factors))
