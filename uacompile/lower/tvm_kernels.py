@@ -34,6 +34,20 @@ def generator_source() -> str:
     return "".join(p.read_text() for p in GENERATOR_FILES)
 
 
+FULL = 0xFFFFFFFF  # every lane of a warp (shuffle masks)
+
+
+def loops(gpu: bool):
+    """(grid x, grid y, lanes) loop constructors: blockIdx / threadIdx bindings on CUDA; on the CPU a parallel
+    loop, a serial one, and lanes that collapse to one (callers pick TX = 1)."""
+    from tvm.script import tirx as T
+
+    if gpu:
+        return (lambda e: T.thread_binding(e, thread="blockIdx.x"), lambda e: T.thread_binding(e, thread="blockIdx.y"),
+                lambda e: T.thread_binding(e, thread="threadIdx.x"))
+    return T.parallel, T.serial, T.serial
+
+
 def lanes_for(head_dim: int, max_lanes: int = 32) -> int:
     """Threads that share one row of head_dim on the GPU: the largest power of two <= 32 dividing it."""
     tx = 1

@@ -8,8 +8,7 @@ float32 for the norm and SiLU, float64 for RoPE's angles and rotation.
 from __future__ import annotations
 
 from ..ir import RMSNorm, Rope, SiluAndMul
-from .tvm_cache_ops import FULL, _loops
-from .tvm_kernels import ALIGN, TIR_DTYPE, lanes_for, rope_cos_sin
+from .tvm_kernels import ALIGN, FULL, TIR_DTYPE, lanes_for, loops, rope_cos_sin
 
 
 def rms_norm(op: RMSNorm, gpu: bool):
@@ -20,7 +19,7 @@ def rms_norm(op: RMSNorm, gpu: bool):
     E, dt, with_residual = op.hidden_size, TIR_DTYPE[op.dtype], op.residual
     TX = lanes_for(E) if gpu else 1
     VEC, NSH = E // TX, TX.bit_length() - 1
-    grid_x, _, lanes = _loops(gpu)
+    grid_x, _, lanes = loops(gpu)
     f32 = lambda v: tirx.Cast("float32", v)  # noqa: E731
 
     @T.prim_func
@@ -62,7 +61,7 @@ def silu_and_mul(op: SiluAndMul, gpu: bool):
     I, dt = op.intermediate_size, TIR_DTYPE[op.dtype]  # noqa: E741
     TX = lanes_for(I) if gpu else 1
     VEC = I // TX
-    grid_x, _, lanes = _loops(gpu)
+    grid_x, _, lanes = loops(gpu)
     f32 = lambda v: tirx.Cast("float32", v)  # noqa: E731
 
     @T.prim_func
@@ -89,7 +88,7 @@ def rope(op: Rope, gpu: bool):
     HALF = D // 2
     TX = lanes_for(HALF) if gpu else 1
     VEC = HALF // TX
-    grid_x, grid_y, lanes = _loops(gpu)
+    grid_x, grid_y, lanes = loops(gpu)
     f64 = lambda v: tirx.Cast("float64", v)  # noqa: E731
     first = (lambda i: 2 * i) if op.interleaved else (lambda i: i)  # the pair's elements
     second = (lambda i: 2 * i + 1) if op.interleaved else (lambda i: i + HALF)
