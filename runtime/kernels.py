@@ -6,7 +6,7 @@ interface.
   reference  uacompile.reference in numpy float64 (slow; an explicit choice for debugging)
 
 Every call takes keyword tensors named as in op.params(); sizes are bound from the shapes. The layer ops
-(rms_norm with the residual add, silu_and_mul, rope) are TorchLayers' torch code (the unfused model's
+(rms_norm with the residual add, silu_and_mul, rope) are TorchLayerOps' torch code (the unfused model's
 arithmetic, exactly) unless a backend has kernels for them: cuda launches ir.RMSNorm / SiluAndMul / Rope.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
-class TorchLayers:
+class TorchLayerOps:
     """The model's layer ops in torch: the fallback of every backend without kernels for them."""
 
     def prepare_layers(self, ops: list) -> None:
@@ -86,7 +86,7 @@ class TorchLayers:
         return apply_rope(x, cos, sin)
 
 
-class KernelLayers(TorchLayers):
+class KernelLayerOps(TorchLayerOps):
     """The layer ops on kernels (ir.RMSNorm, SiluAndMul, Rope): a subclass gives build_layer_kernel(op), a
     callable over op.params() keywords. The residual stream is updated in place (rms_norm writes h into
     residual and the norm into x), rope rotates a contiguous x in place."""
@@ -126,7 +126,7 @@ class KernelLayers(TorchLayers):
         return x
 
 
-class KernelBackend(TorchLayers):
+class KernelBackend(TorchLayerOps):
     name = "base"
 
     def __init__(self, ops: KernelOps):
@@ -203,7 +203,7 @@ class TVMCPUBackend(KernelBackend):
         self.fns[op.kind](**tensors)  # checks shapes, dtypes and layout itself
 
 
-class CUDABackend(KernelLayers, KernelBackend):
+class CUDABackend(KernelLayerOps, KernelBackend):
     """Generated CUDA kernels (Jinja templates, nvcc, cffi) through uacompile.targets.cuda: launched on
     torch's current stream; a step's attention is planned once (split-KV by the step's shapes) and run
     every layer."""

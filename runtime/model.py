@@ -3,7 +3,7 @@
 Parameter names follow Hugging Face's checkpoints, so a HF state dict loads as is and the
 GGUF loader only renames; after loading, fuse() merges q/k/v and gate/up into one projection
 each (one matmul). Matmuls are torch; the layer ops (RMSNorm with the residual add, SiLU-and-mul,
-RoPE) go through `self.layers` (kernels.TorchLayers, or the kernel backend given to use_kernels),
+RoPE) go through `self.layer_backend` (kernels.TorchLayerOps, or the kernel backend given to use_kernels),
 K/V writes and attention through the executor's callback (one paged-attention launch per layer
 for the whole batch).
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .kernels import TorchLayers, torch_rms_norm
+from .kernels import TorchLayerOps, torch_rms_norm
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -131,12 +131,12 @@ class Attention(nn.Module):
         self.qkv_proj = merged_linear([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, rope, attn, layers: TorchLayers) -> torch.Tensor:
+    def forward(self, x, rope, attn, ops: TorchLayerOps) -> torch.Tensor:
         T, H, Hkv, D = x.shape[0], self.H, self.Hkv, self.D
         q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
         if self.q_norm is not None:  # Qwen3: RMSNorm of each head's q and k, before RoPE
-            q = layers.rms_norm(q.reshape(T * H, D), self.q_norm.weight, self.q_norm.eps)
-            k = layers.rms_norm(k.reshape(T * Hkv, D), self.k_norm.weight, self.k_norm.eps)
+            q = ops.rms_norm(q.reshape(T * H, D), self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k.reshape(T * Hkv, D), self.k_norm.weight, self.k_norm.eps)
         q, k = rope(q.reshape(T, H, D)), rope(k.reshape(T, Hkv, D))
         out = attn(self.layer, q, k, v.reshape(T, Hkv, D).contiguous())  # cache write + one paged-attention launch
         return self.o_proj(out.reshape(T, H * D))
@@ -155,8 +155,8 @@ class MLP(nn.Module):
         self.gate_up_proj = merged_linear([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
-    def forward(self, x, layers: TorchLayers):
-        return self.down_proj(layers.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x, ops: TorchLayerOps):
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -167,18 +167,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, rope, attn, layers: TorchLayers):
+    def forward(self, x, residual, rope, attn, ops: TorchLayerOps):
         """x: the previous layer's output, residual: the stream before it (None in the first layer, where x is
         the stream). Returns (this layer's output, the stream before it): each norm adds the pending output to
         the stream as it normalises it (rms_norm with the residual)."""
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
-            h, residual = layers.rms_norm(x, norm_in.weight, norm_in.eps), x
+            h, residual = ops.rms_norm(x, norm_in.weight, norm_in.eps), x
         else:
-            h, residual = layers.rms_norm(x, norm_in.weight, norm_in.eps, residual)
-        h = self.self_attn(h, rope, attn, layers)
-        h, residual = layers.rms_norm(h, norm_post.weight, norm_post.eps, residual)
-        return self.mlp(h, layers), residual
+            h, residual = ops.rms_norm(x, norm_in.weight, norm_in.eps, residual)
+        h = self.self_attn(h, rope, attn, ops)
+        h, residual = ops.rms_norm(h, norm_post.weight, norm_post.eps, residual)
+        return self.mlp(h, ops), residual
 
 
 class Backbone(nn.Module):
@@ -206,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
             self.register_buffer("rope_freqs", torch.ones(cfg.head_dim // 2, dtype=torch.float32))
         self.inv_freq = rope_inv_freq(cfg)  # float64, deliberately not a buffer: .to(dtype) must not round it
         self.rope_freq_factors: tuple[float, ...] = ()  # ir.Rope's form of inv_freq, set with it by _refresh_rope
-        self.layers: TorchLayers = TorchLayers()  # the layer ops (use_kernels: a backend's kernels)
+        self.layer_backend: TorchLayerOps = TorchLayerOps()  # runs the layer ops (use_kernels: a backend's kernels)
 
     def _refresh_rope(self) -> None:
         inv = rope_inv_freq(self.cfg)
@@ -240,24 +240,24 @@ class LlamaForCausalLM(nn.Module):
         return ops + [ir.Rope(n, cfg.head_dim, dt, cfg.rope_theta, freq_factors=self.rope_freq_factors)
                       for n in sorted({cfg.num_heads, cfg.num_kv_heads})]
 
-    def use_kernels(self, layers: TorchLayers) -> None:
+    def use_kernels(self, backend: TorchLayerOps) -> None:
         """Run the layer ops through a kernel backend (kernels.KernelBackend), its kernels built now."""
-        layers.prepare_layers(self.layer_ops(self.model.embed_tokens.weight.dtype))
-        self.layers = layers
+        backend.prepare_layers(self.layer_ops(self.model.embed_tokens.weight.dtype))
+        self.layer_backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_tables(positions, x.dtype)  # the torch RoPE's tables
-        layers, theta, factors = self.layers, self.cfg.rope_theta, self.rope_freq_factors
+        ops, theta, factors = self.layer_backend, self.cfg.rope_theta, self.rope_freq_factors
 
         def rope(t):
-            return layers.rope(t, positions, theta, factors, cos, sin)
+            return ops.rope(t, positions, theta, factors, cos, sin)
 
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, rope, attn, layers)
+            x, residual = layer(x, residual, rope, attn, ops)
         norm = self.model.norm
-        return layers.rms_norm(x, norm.weight, norm.eps, residual)[0]
+        return ops.rms_norm(x, norm.weight, norm.eps, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

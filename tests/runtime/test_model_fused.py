@@ -1,6 +1,6 @@
 """The model's fused layers on the CPU: fuse() merges q/k/v and gate/up (biases too) from the HF names; the
 layer ops run through a backend's kernels (here the TVM CPU kernels of ir.RMSNorm / SiluAndMul / Rope, on
-the same KernelLayers code the CUDA backend runs) give transformers' logits, as the torch layers do, with
+the same KernelLayerOps code the CUDA backend runs) give transformers' logits, as the torch layers do, with
 each op called as often as the model's layers need, scaled RoPE (linear, llama3) included."""
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ from model_helpers import hf_logits, make_hf_model, runtime_logits  # noqa: E402
 
 from uacompile import ir  # noqa: E402
 from uacompile.runtime import LLM  # noqa: E402
-from uacompile.runtime.kernels import KernelLayers, TorchLayers  # noqa: E402
+from uacompile.runtime.kernels import KernelLayerOps, TorchLayerOps  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -26,8 +26,8 @@ CASES = {
 }
 
 
-class TVMLayers(KernelLayers):
-    """KernelLayers on the TVM CPU kernels, counting launches per op kind."""
+class TVMLayerOps(KernelLayerOps):
+    """KernelLayerOps on the TVM CPU kernels, counting launches per op kind."""
 
     def __init__(self):
         self.launches: dict[str, int] = {}
@@ -95,9 +95,9 @@ def test_kernel_layers_match_transformers_and_torch_layers(case):
     prompts = [np.random.default_rng(5).integers(3, 512, size=n).tolist() for n in (13, 9, 6)]
     chunks = [[5, 4, 1, 1, 1, 1], [1] * 9, [6]]
     runtime = llm.engine.model
-    assert type(runtime.layers) is TorchLayers
+    assert type(runtime.layer_backend) is TorchLayerOps
     torch_rows = runtime_logits(llm.engine.executor, prompts, chunks, np.random.default_rng(7))
-    layers = TVMLayers()
+    layers = TVMLayerOps()
     runtime.use_kernels(layers)
     kernel_rows = runtime_logits(llm.engine.executor, prompts, chunks, np.random.default_rng(7))
     cfg, steps = runtime.cfg, max(map(len, chunks))  # the executor steps of the chunk plan above

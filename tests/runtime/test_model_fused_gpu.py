@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 from model_helpers import hf_logits, make_hf_model, runtime_logits  # noqa: E402
 
 from uacompile.runtime import LLM, SamplingParams  # noqa: E402
-from uacompile.runtime.kernels import TorchLayers  # noqa: E402
+from uacompile.runtime.kernels import TorchLayerOps  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 TOL = {"float16": 2e-2, "bfloat16": 6e-2}  # of the largest |logit|
@@ -32,9 +32,9 @@ def checkpoints(tmp_path_factory):
 def fused_llm(path, **kw) -> LLM:
     llm = LLM(str(path), device="cuda", page_size=16, **kw)
     engine = llm.engine
-    if type(engine.model.layers) is TorchLayers:  # an engine that does not hand the model its backend yet
+    if type(engine.model.layer_backend) is TorchLayerOps:  # an engine that does not hand the model its backend yet
         engine.model.use_kernels(engine.kernels)
-    assert engine.model.layers is engine.kernels and engine.kernels.name == "cuda"
+    assert engine.model.layer_backend is engine.kernels and engine.kernels.name == "cuda"
     return llm
 
 
