@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 import torch.nn.functional as F
 
 from uacompile import binding, ir, reference
@@ -99,30 +98,39 @@ class KernelLayerOps(TorchLayerOps):
         """op -> its kernel, for the layer ops launched so far (built at first use)."""
         return self.__dict__.setdefault("_layer_kernels", {})
 
-    def layer_kernel(self, op: ir.OpSpec):
-        kern = self.layer_kernels.get(op)
+    def layer_kernel(self, key: tuple, make_op):
+        """The kernel of make_op()'s op, found by key (plain values: a hit builds no op, every layer every step)."""
+        by_key = self.__dict__.setdefault("_layer_kernels_by_key", {})
+        kern = by_key.get(key)
         if kern is None:
-            kern = self.layer_kernels[op] = self.build_layer_kernel(op)
+            op = make_op()
+            kern = by_key[key] = self.layer_kernels[op] = self.build_layer_kernel(op)
         return kern
 
     def rms_norm(self, x, weight, eps: float, residual=None):
-        op = ir.RMSNorm(x.shape[-1], TORCH_TO_IR[x.dtype], float(eps), residual is not None)
-        if residual is None:
+        res = residual is not None
+        kern = self.layer_kernel(("rms_norm", x.shape[-1], x.dtype, eps, res),
+                                 lambda: ir.RMSNorm(x.shape[-1], TORCH_TO_IR[x.dtype], float(eps), res))
+        if not res:
             out = torch.empty_like(x)
-            self.layer_kernel(op)(x=x, weight=weight, out=out)
+            kern(x=x, weight=weight, out=out)
             return out
-        self.layer_kernel(op)(x=x, residual=residual, weight=weight, out=x)  # residual += x; x = norm(residual)
+        kern(x=x, residual=residual, weight=weight, out=x)  # residual += x; x = norm(residual)
         return x, residual
 
     def silu_and_mul(self, x):
-        out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
-        self.layer_kernel(ir.SiluAndMul(x.shape[1] // 2, TORCH_TO_IR[x.dtype]))(x=x, out=out)
+        inter = x.shape[1] // 2
+        out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
+        self.layer_kernel(("silu_and_mul", inter, x.dtype), lambda: ir.SiluAndMul(inter, TORCH_TO_IR[x.dtype]))(
+            x=x, out=out)
         return out
 
     def rope(self, x, positions, rope_theta: float, freq_factors: tuple, cos, sin):
         x = x.contiguous()
-        op = ir.Rope(x.shape[1], x.shape[2], TORCH_TO_IR[x.dtype], float(rope_theta), freq_factors=freq_factors)
-        self.layer_kernel(op)(x=x, positions=positions)
+        H, D = x.shape[1], x.shape[2]
+        kern = self.layer_kernel(("rope", H, D, x.dtype, rope_theta, freq_factors),
+                                 lambda: ir.Rope(H, D, TORCH_TO_IR[x.dtype], float(rope_theta), freq_factors=freq_factors))
+        kern(x=x, positions=positions)
         return x
 
 
