@@ -109,7 +109,7 @@ class KernelLayerOps(TorchLayerOps):
     def rms_norm(self, x, weight, eps: float, residual=None):
         res = residual is not None
         kern = self.layer_kernel(("rms_norm", x.shape[-1], x.dtype, eps, res),
-                                 lambda: ir.RMSNorm(x.shape[-1], TORCH_TO_IR[x.dtype], float(eps), res))
+                                 lambda: ir.RMSNorm(x.shape[-1], ir.from_torch(x.dtype), float(eps), res))
         if not res:
             out = torch.empty_like(x)
             kern(x=x, weight=weight, out=out)
@@ -120,7 +120,7 @@ class KernelLayerOps(TorchLayerOps):
     def silu_and_mul(self, x):
         inter = x.shape[1] // 2
         out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
-        self.layer_kernel(("silu_and_mul", inter, x.dtype), lambda: ir.SiluAndMul(inter, TORCH_TO_IR[x.dtype]))(
+        self.layer_kernel(("silu_and_mul", inter, x.dtype), lambda: ir.SiluAndMul(inter, ir.from_torch(x.dtype)))(
             x=x, out=out)
         return out
 
@@ -128,7 +128,7 @@ class KernelLayerOps(TorchLayerOps):
         x = x.contiguous()
         H, D = x.shape[1], x.shape[2]
         kern = self.layer_kernel(("rope", H, D, x.dtype, rope_theta, freq_factors),
-                                 lambda: ir.Rope(H, D, TORCH_TO_IR[x.dtype], float(rope_theta), freq_factors=freq_factors))
+                                 lambda: ir.Rope(H, D, ir.from_torch(x.dtype), float(rope_theta), freq_factors=freq_factors))
         kern(x=x, positions=positions)
         return x
 

@@ -230,9 +230,7 @@ class LlamaForCausalLM(nn.Module):
         """The IR layer ops this model launches at dtype (a kernel backend builds them up front)."""
         from uacompile import ir
 
-        from .kernels import TORCH_TO_IR
-
-        cfg, dt = self.cfg, TORCH_TO_IR[dtype]
+        cfg, dt = self.cfg, ir.from_torch(dtype)
         ops = [ir.RMSNorm(cfg.hidden_size, dt, cfg.rms_norm_eps), ir.RMSNorm(cfg.hidden_size, dt, cfg.rms_norm_eps, True),
                ir.SiluAndMul(cfg.intermediate_size, dt)]
         if cfg.qk_norm:
