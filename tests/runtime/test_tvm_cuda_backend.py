@@ -4,9 +4,11 @@ loaded with cffi without importing TVM; a missing kernel, a folder of another dt
 errors that say what to do; cuda falls back to tvm-cuda where the templates do not cover the model.
 The GPU run: test_tvm_cuda_backend_gpu.py."""
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch
 from uacompile.runtime.kernels import KernelOps, TVMCUDABackend, cuda_template_gap, make_backend, tvm_cuda_kernels
 from uacompile.runtime.loader import load, models_dir
 
+ROOT = Path(__file__).resolve().parents[2]
 STORIES = models_dir() / "stories260K.gguf"
 
 
@@ -25,14 +28,16 @@ def stories_ops(dtype=torch.float32, page_size=16) -> KernelOps:
 
 @pytest.fixture(scope="module")
 def kernel_dir(tmp_path_factory):
-    """The tiny preset's CUDA kernels built by the CLI, then moved (as a folder carried to a GPU machine is)."""
+    """The tiny preset's CUDA kernels built by bench/prebuild_tvm_cuda.sh (`uacompile build --preset tiny --target
+    cuda`), then moved, as the folder carried to a GPU machine is."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not on PATH: the TVM-CUDA libraries cannot be built here")
     pytest.importorskip("tvm")
     root = tmp_path_factory.mktemp("tvm-cuda")
-    r = subprocess.run([sys.executable, "-m", "uacompile.cli", "build", "--preset", "tiny", "--target", "cuda",
-                        "--out", str(root / "built"), "--quiet"], capture_output=True, text=True, timeout=1200)
+    r = subprocess.run(["bash", str(ROOT / "bench" / "prebuild_tvm_cuda.sh"), str(root / "built")],
+                       env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr
+    assert "6 TVM-CUDA kernels in" in r.stdout, r.stdout  # the tiny preset's: attention in 2 configs, 4 other ops
     shutil.move(root / "built", root / "carried")
     return root / "carried"
 
