@@ -134,8 +134,8 @@ def load_manifest(out_dir: str | Path, target: str, lowering: str) -> dict[str, 
     """The kernels one lowering of a `uacompile build` folder holds, by symbol: {symbol: manifest entry}.
 
     A symbol names the same kernel in every lowering of a target (the cache ops' templates and TVM's), so the
-    lookup is per (target, lowering). Each entry's `library` and `source` are resolved inside out_dir
-    (out_dir/target/lowering/<file>), so a folder built on one machine and carried to another still resolves;
+    lookup is per (target, lowering). Each entry's `library` and `source` are resolved inside out_dir, as absolute
+    paths (out_dir/target/lowering/<file>), so a folder built on one machine and carried to another still resolves;
     a kernel that was not built keeps library None and its `reason`. Reads JSON only (no TVM, no torch).
     ValueError (one line) where out_dir holds no readable manifest."""
     folder = Path(out_dir)
@@ -155,7 +155,7 @@ def load_manifest(out_dir: str | Path, target: str, lowering: str) -> dict[str, 
         entry = dict(entry)
         for k in ("source", "library"):
             if isinstance(entry.get(k), str):
-                entry[k] = str(folder / target / lowering / _inside(Path(entry[k]), target, lowering))
+                entry[k] = str(folder.absolute() / target / lowering / _inside(Path(entry[k]), target, lowering))
         out[entry["symbol"]] = entry
     return out
 

@@ -49,7 +49,7 @@ def kernel_dir(stories, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpu_tokens(stories):
-    llm = LLM(stories, device="cpu", kernel_backend="reference", cpu_threads=1)
+    llm = LLM(stories, device="cpu", kernel_backend="reference")
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
 
 
