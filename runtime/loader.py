@@ -1,8 +1,11 @@
 """Load a Llama-family model: GGUF (llama.cpp) or a Hugging Face directory.
 
-Both produce (ModelConfig, weights by HF name as torch tensors, tokenizer). GGUF tensors are
-dequantised at load (F32, F16, BF16, Q8_0) and Q/K rows are un-permuted from llama.cpp's
-interleaved rotary layout back to the rotate-half layout the model uses.
+Both produce (ModelConfig, weights by HF name as torch tensors, tokenizer). GGUF architectures:
+`llama` (Llama and Mistral: llama.cpp's converter writes MistralForCausalLM as `llama`), `qwen2`
+(q/k/v biases) and `qwen3` (per-head q/k RMSNorm). Tensors are dequantised at load (F32, F16, BF16,
+Q8_0). For `llama` the Q/K rows are un-permuted from llama.cpp's interleaved rotary layout back to
+the rotate-half layout the model uses; qwen2/qwen3 are stored unpermuted (llama.cpp runs them with
+NeoX rotary, which is rotate-half).
 """
 from __future__ import annotations
 
@@ -15,10 +18,11 @@ import numpy as np
 import torch
 
 from .model import ModelConfig
-from .tokenizer import Tokenizer, hf_tokenizer, spm_from_gguf_fields
+from .tokenizer import Tokenizer, gguf_tokenizer, hf_tokenizer
 
 HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-GGUF_ARCHS = ("llama",)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+GGUF_PERMUTED_QK = ("llama",)  # archs whose converter permutes Q/K rows for interleaved rotary
 GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0")
 # GGUF tensor name -> HF name ({i} = layer)
 GGUF_NAMES = {
@@ -35,6 +39,8 @@ GGUF_NAMES = {
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
     "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
@@ -130,7 +136,7 @@ def load_gguf(path: Path) -> LoadedModel:
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
     elif kind not in ("none", None):
         raise ValueError(f"{path}: GGUF rope scaling {kind!r} is not supported (supported: none, linear)")
-    tokenizer = spm_from_gguf_fields(fields) if "tokenizer.ggml.tokens" in fields else None
+    tokenizer = gguf_tokenizer(fields) if "tokenizer.ggml.tokens" in fields else None
     vocab = int(tensors["token_embd.weight"].shape[1])
     n_layers = int(get("block_count", required=True))
     weights = {}
@@ -139,9 +145,9 @@ def load_gguf(path: Path) -> LoadedModel:
         if hf is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {name!r} for architecture {arch}")
         w = gguf_tensor(t)
-        if ".attn_q." in name:
+        if arch in GGUF_PERMUTED_QK and ".attn_q." in name:
             w = unpermute_rope(w, H)
-        elif ".attn_k." in name:
+        elif arch in GGUF_PERMUTED_QK and ".attn_k." in name:
             w = unpermute_rope(w, Hkv)
         weights[hf] = torch.from_numpy(np.ascontiguousarray(w))
     cfg = ModelConfig(
@@ -151,7 +157,8 @@ def load_gguf(path: Path) -> LoadedModel:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling, max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors, o_bias="blk.0.attn_output.bias" in tensors,
+        qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors, o_bias="blk.0.attn_output.bias" in tensors,
+        qk_norm=arch == "qwen3", sliding_window=int(get("attention.sliding_window", 0)),
         rope_freq_factors="rope_freqs.weight" in tensors,
         bos_token_id=tokenizer.bos_token_id if tokenizer else None,
         eos_token_ids=tokenizer.eos_token_ids if tokenizer else ())
