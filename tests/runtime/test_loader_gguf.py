@@ -3,6 +3,8 @@ byte-level BPE (`gpt2`) tokenizer: tiny random transformers models written here 
 library (llama.cpp's tensor names from its TensorNameMap; F32, F16, BF16 and Q8_0 tensors), loaded by
 the runtime and checked against transformers running the same (dequantised) weights; the BPE vocab is
 trained here with `tokenizers` and checked against transformers' tokenizer on the same vocab/merges."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from model_helpers import hf_greedy, hf_logits, make_hf_model, runtime_logits  #
 
 from uacompile.runtime import LLM, SamplingParams  # noqa: E402
 from uacompile.runtime.loader import load  # noqa: E402
+from uacompile.runtime.tokenizer import gguf_tokenizer  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
@@ -55,14 +58,26 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table (printable Latin-1 bytes map to themselves)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+BYTE_CHARS = _byte_chars()
+
+
+def bytes_to_unicode(text: str) -> str:
+    return "".join(BYTE_CHARS[b] for b in text.encode("utf-8"))
+
+
 def gguf_vocab(hf_tok) -> dict:
     """tokenizer.ggml.* for a byte-level BPE transformers tokenizer, as llama.cpp's converter writes it."""
     size = len(hf_tok)
     tokens = hf_tok.convert_ids_to_tokens(list(range(size)))
-    added = {i: t for i, t in hf_tok.added_tokens_decoder.items()}
+    added = hf_tok.added_tokens_decoder
     types = [(CONTROL if added[i].special else USER_DEFINED) if i in added else NORMAL for i in range(size)]
-    import json
-
     merges = json.loads(hf_tok.backend_tokenizer.to_str())["model"]["merges"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
     return {"tokens": tokens, "types": types, "merges": merges}
@@ -135,9 +150,8 @@ def hf_tokenizer():
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 4, trainer)
     vocab = tok.get_vocab()
-    import json
-
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
     hf = transformers.Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>",
                                      pad_token="<|endoftext|>", extra_special_tokens=["<|im_start|>"])
     hf.add_tokens(["<tool_call>"])  # a non-special added token (USER_DEFINED in GGUF)
@@ -213,20 +227,27 @@ def test_gguf_logits_match_transformers(written, rng):
         assert out.outputs[0].token_ids == hf_greedy(model, out.prompt_token_ids, 6)
 
 
-@pytest.mark.parametrize("pre", ["qwen2", "gpt-2"])
-def test_bpe_tokenizer_matches_transformers(tmp_path, hf_tokenizer, pre):
+@pytest.fixture(scope="module")
+def bpe_fields(tmp_path_factory, hf_tokenizer) -> dict:
+    """The metadata of a GGUF carrying hf_tokenizer's vocab (pre-tokenizer qwen2, EOS <|im_end|>, no BOS)."""
     model = make_hf_model("qwen2", seed=2, num_hidden_layers=1, vocab_size=len(hf_tokenizer))
-    path = tmp_path / "tok.gguf"
-    vocab = gguf_vocab(hf_tokenizer)
-    write_gguf(path, model, "qwen2", 0, vocab, pre=pre, eos=hf_tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    tok = load(path).tokenizer
+    path = tmp_path_factory.mktemp("bpe") / "bpe.gguf"
+    write_gguf(path, model, "qwen2", 0, gguf_vocab(hf_tokenizer), eos=hf_tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    return {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "gpt-2"])
+def test_bpe_tokenizer_matches_transformers(bpe_fields, hf_tokenizer, pre):
+    tok = gguf_tokenizer({**bpe_fields, "tokenizer.ggml.pre": pre})
     if pre == "gpt-2":
-        ref = transformers.GPT2Tokenizer(vocab={t: i for i, t in enumerate(vocab["tokens"])}, merges=[tuple(m.split(" ")) for m in vocab["merges"]])
+        ref = transformers.GPT2Tokenizer(
+            vocab={t: i for i, t in enumerate(bpe_fields["tokenizer.ggml.tokens"])},
+            merges=[tuple(m.split(" ")) for m in bpe_fields["tokenizer.ggml.merges"]])
         ref.add_special_tokens({"additional_special_tokens": SPECIALS})
         ref.add_tokens(["<tool_call>"])
     else:
         ref = hf_tokenizer
-    assert tok.vocab_size == len(ref) and not tok.add_bos
+    assert tok.vocab_size == len(ref) and not tok.add_bos and tok.eos_token_ids == (2,)
     for text in TEXTS:
         ids = ref.encode(text, add_special_tokens=True)
         assert tok.encode(text) == ids, text
@@ -237,25 +258,40 @@ def test_bpe_tokenizer_matches_transformers(tmp_path, hf_tokenizer, pre):
         assert tok.encode("cafe\u0301") == tok.encode("caf\u00e9")
 
 
-def test_bpe_bos_and_errors(tmp_path, hf_tokenizer):
-    """add_bos_token puts BOS in front; unknown pre-tokenizers and tokenizer models are one-line errors."""
-    model = make_hf_model("qwen2", seed=2, num_hidden_layers=1, vocab_size=len(hf_tokenizer))
-    vocab = gguf_vocab(hf_tokenizer)
-    path = tmp_path / "bos.gguf"
-    write_gguf(path, model, "qwen2", 0, vocab)
-    from uacompile.runtime.tokenizer import gguf_tokenizer
+PRE_SPLITS = {  # "I'M HTTPServer 1234567 x" as each pre-tokenizer splits it
+    "gpt-2": ["I", "'", "M", " HTTPServer", " 1234567", " x"],  # case-sensitive contractions, whole numbers
+    "qwen2": ["I", "'M", " HTTPServer", " ", "1", "2", "3", "4", "5", "6", "7", " x"],  # single digits
+    "llama-bpe": ["I", "'M", " HTTPServer", " ", "123", "456", "7", " x"],  # digits in threes
+    "tekken": ["I", "'M", " HTTPServer", " ", "1", "2", "3", "4", "5", "6", "7", " x"],
+}
 
-    fields = {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
-    plain = gguf_tokenizer(fields)
-    with_bos = gguf_tokenizer({**fields, "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": 1})
-    assert with_bos.encode("Hello") == [1] + plain.encode("Hello") and with_bos.add_bos
+
+@pytest.mark.parametrize("pre", list(PRE_SPLITS))
+def test_bpe_pre_tokenizers_split_as_their_models(bpe_fields, pre):
+    """A vocab holding every case's words (and "1234567"), each reachable by a chain of merges: a word
+    comes back as one token exactly when the pre-tokenizer splits it out, so the tokens are the splits."""
+    words = [bytes_to_unicode(w) for w in dict.fromkeys(sum(PRE_SPLITS.values(), []) + ["1234567"])]
+    merges = list(dict.fromkeys(f"{w[:i]} {w[i]}" for w in words for i in range(1, len(w))))
+    tokens = list(dict.fromkeys(BYTE_CHARS + [w[:i] for w in words for i in range(2, len(w) + 1)]))
+    fields = {**bpe_fields, "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+              "tokenizer.ggml.token_type": [NORMAL] * len(tokens), "tokenizer.ggml.merges": merges}
+    tok = gguf_tokenizer(fields)
+    assert [tokens[i] for i in tok.encode("I'M HTTPServer 1234567 x")] == [bytes_to_unicode(w) for w in PRE_SPLITS[pre]]
+
+
+def test_bpe_bos_and_errors(bpe_fields):
+    """add_bos_token puts BOS in front; unknown pre-tokenizers and tokenizer models are one-line errors."""
+    plain = gguf_tokenizer(bpe_fields)
+    with_bos = gguf_tokenizer({**bpe_fields, "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": 1})
+    assert with_bos.encode("Hello") == [1] + plain.encode("Hello") and with_bos.add_bos and not plain.add_bos
     assert with_bos.encode("Hello", add_special_tokens=False) == plain.encode("Hello")
+    assert with_bos.decode(with_bos.encode("Hello")) == "Hello"
     with pytest.raises(ValueError, match="tokenizer.ggml.pre 'falcon' is not supported"):
-        gguf_tokenizer({**fields, "tokenizer.ggml.pre": "falcon"})
+        gguf_tokenizer({**bpe_fields, "tokenizer.ggml.pre": "falcon"})
     with pytest.raises(ValueError, match="tokenizer.ggml.model 'bert' is not supported"):
-        gguf_tokenizer({**fields, "tokenizer.ggml.model": "bert"})
+        gguf_tokenizer({**bpe_fields, "tokenizer.ggml.model": "bert"})
     with pytest.raises(ValueError, match="no tokenizer.ggml.merges"):
-        gguf_tokenizer({k: v for k, v in fields.items() if k != "tokenizer.ggml.merges"})
+        gguf_tokenizer({k: v for k, v in bpe_fields.items() if k != "tokenizer.ggml.merges"})
 
 
 def test_qwen2_without_biases_is_an_error(tmp_path):
