@@ -24,6 +24,10 @@ HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 GGUF_PERMUTED_QK = ("llama",)  # archs whose converter permutes Q/K rows for interleaved rotary
 GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0")
+# the checkpoint dtype a GGUF reports (ModelConfig.torch_dtype), by the type holding most of its elements;
+# Q8_0 (int8 times an fp16 scale, exact in neither half type) runs in bf16: these models were trained in
+# bf16 and their activations can leave fp16's range
+GGUF_CHECKPOINT_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "bfloat16"}
 # GGUF tensor name -> HF name ({i} = layer)
 GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -139,7 +143,7 @@ def load_gguf(path: Path) -> LoadedModel:
     tokenizer = gguf_tokenizer(fields) if "tokenizer.ggml.tokens" in fields else None
     vocab = int(tensors["token_embd.weight"].shape[1])
     n_layers = int(get("block_count", required=True))
-    weights = {}
+    weights, elements = {}, dict.fromkeys(GGUF_TENSOR_TYPES, 0)
     for name, t in tensors.items():
         hf = _gguf_to_hf(name, n_layers)
         if hf is None:
@@ -150,6 +154,7 @@ def load_gguf(path: Path) -> LoadedModel:
         elif arch in GGUF_PERMUTED_QK and ".attn_k." in name:
             w = unpermute_rope(w, Hkv)
         weights[hf] = torch.from_numpy(np.ascontiguousarray(w))
+        elements[t.tensor_type.name] += w.size
     cfg = ModelConfig(
         arch=arch, vocab_size=vocab, hidden_size=E, intermediate_size=int(get("feed_forward_length", required=True)),
         num_layers=n_layers, num_heads=H, num_kv_heads=Hkv, head_dim=D,
@@ -161,7 +166,8 @@ def load_gguf(path: Path) -> LoadedModel:
         qk_norm=arch == "qwen3", sliding_window=int(get("attention.sliding_window", 0)),
         rope_freq_factors="rope_freqs.weight" in tensors,
         bos_token_id=tokenizer.bos_token_id if tokenizer else None,
-        eos_token_ids=tokenizer.eos_token_ids if tokenizer else ())
+        eos_token_ids=tokenizer.eos_token_ids if tokenizer else (),
+        torch_dtype=GGUF_CHECKPOINT_DTYPE[max(elements, key=elements.get)])
     return LoadedModel(cfg, weights, tokenizer)
 
 

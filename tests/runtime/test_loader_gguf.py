@@ -190,7 +190,11 @@ def test_tensor_types_round_trip(tmp_path, qt, rng):
         model.model.layers[0].mlp.down_proj.weight.copy_(torch.from_numpy(x))
     path = tmp_path / "types.gguf"
     want = write_gguf(path, model, "qwen2", TYPES.index(qt) - ROLES.index("down_proj"))
-    got = load(path).weights
+    loaded = load(path)
+    got = loaded.weights
+    # the type holding most elements (embeddings and down_proj here) is the checkpoint dtype the engine sees
+    assert loaded.config.torch_dtype == {Q.F32: "float32", Q.F16: "float16", Q.BF16: "bfloat16",
+                                         Q.Q8_0: "bfloat16"}[qt]
     assert set(got) == set(want)
     for name, w in got.items():
         np.testing.assert_array_equal(w.numpy(), want[name], err_msg=name)
