@@ -10,6 +10,7 @@ NeoX rotary, which is rotate-half).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ import torch
 from .model import ModelConfig
 from .tokenizer import Tokenizer, gguf_tokenizer, hf_tokenizer
 
+log = logging.getLogger(__name__)
+
 HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 GGUF_PERMUTED_QK = ("llama",)  # archs whose converter permutes Q/K rows for interleaved rotary
@@ -28,6 +31,7 @@ GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0")
 # Q8_0 (int8 times an fp16 scale, exact in neither half type) runs in bf16: these models were trained in
 # bf16 and their activations can leave fp16's range
 GGUF_CHECKPOINT_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "bfloat16"}
+GGUF_PROGRESS_BYTES = 256 << 20  # files this large show a progress bar while they dequantise
 # GGUF tensor name -> HF name ({i} = layer)
 GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -143,8 +147,14 @@ def load_gguf(path: Path) -> LoadedModel:
     tokenizer = gguf_tokenizer(fields) if "tokenizer.ggml.tokens" in fields else None
     vocab = int(tensors["token_embd.weight"].shape[1])
     n_layers = int(get("block_count", required=True))
+    from tqdm import tqdm
+
     weights, elements = {}, dict.fromkeys(GGUF_TENSOR_TYPES, 0)
+    total = sum(int(t.n_bytes) for t in tensors.values())
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}", dynamic_ncols=True,
+               disable=total < GGUF_PROGRESS_BYTES)
     for name, t in tensors.items():
+        bar.update(int(t.n_bytes))
         hf = _gguf_to_hf(name, n_layers)
         if hf is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {name!r} for architecture {arch}")
@@ -155,6 +165,9 @@ def load_gguf(path: Path) -> LoadedModel:
             w = unpermute_rope(w, Hkv)
         weights[hf] = torch.from_numpy(np.ascontiguousarray(w))
         elements[t.tensor_type.name] += w.size
+    bar.close()
+    log.info("%s: GGUF %s, %d layers, tensor elements by type %s, tokenizer %s", path.name, arch, n_layers,
+             {k: v for k, v in elements.items() if v}, fields.get("tokenizer.ggml.model"))
     cfg = ModelConfig(
         arch=arch, vocab_size=vocab, hidden_size=E, intermediate_size=int(get("feed_forward_length", required=True)),
         num_layers=n_layers, num_heads=H, num_kv_heads=Hkv, head_dim=D,
