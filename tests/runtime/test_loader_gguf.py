@@ -185,7 +185,7 @@ def test_tensor_types_round_trip(tmp_path, qt, rng):
     model = make_hf_model("qwen2", seed=1, num_hidden_layers=1)
     x = rng.normal(0, 1, size=(64, 96)).astype(np.float32)
     x[3, :32] = 0  # an all-zero Q8_0 block
-    x[5, 7] = 1e-30  # below fp16/bf16 range
+    x[5, 7] = 1e-30  # underflows fp16, not bf16
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.copy_(torch.from_numpy(x))
     path = tmp_path / "types.gguf"
@@ -203,15 +203,17 @@ def test_tensor_types_round_trip(tmp_path, qt, rng):
     assert np.abs(down - x).max() <= tol * np.abs(x).max()
 
 
-def test_gguf_config(written):
+def test_gguf_config_and_tokenizer(written, hf_tokenizer):
     case, path, _, model = written
-    cfg = load(path).config
+    loaded = load(path)
+    cfg = loaded.config
     hf = model.config
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (hf.num_attention_heads, hf.num_key_value_heads,
                                                                hf.head_dim)
     assert cfg.qkv_bias == (case == "qwen2") and cfg.qk_norm == (case == "qwen3")
     assert cfg.sliding_window == (6 if case == "mistral" else 0)
     assert cfg.eos_token_ids == (2,) and not cfg.tie_word_embeddings
+    assert [loaded.tokenizer.encode(t) for t in TEXTS] == [hf_tokenizer.encode(t) for t in TEXTS]
 
 
 def test_gguf_logits_match_transformers(written, rng):
