@@ -6,7 +6,9 @@ Shapes are ANCHORS.md's: bf16, Hq 32, Hkv 8, D 128, page 16, pages in random ord
 Decode: effective GB/s = bytes of K and V read / kernel time. Prefill: causal TFLOP/s =
 4 * B * L^2 / 2 * Hq * D / time. Each timing is the median of several replays of a CUDA
 graph holding many calls; inputs rotate over several copies when one copy would fit in L2.
-Every "ours" row is also checked against torch SDPA on the same data (max abs diff).
+Every "ours" row is also checked against torch SDPA on the same data (max abs diff). Ours is what a
+serving step runs: attention.plan() once for the shapes (the split count given or the built-in rule), then
+attention.run() every call (the timed graphs hold run() only).
 FlashInfer 0.2.14 is a peer when its sdist is in .peers/ (set up by JIT: slow first call). Every
 implementation of a shape is timed in one interleaved timing (bench/timing.py), peers included.
 """
@@ -25,6 +27,8 @@ import torch.nn.functional as F
 
 from uacompile import ir
 from uacompile.targets.cuda import api, attention
+from uacompile.targets.cuda import layout as cuda_layout
+from uacompile.targets.cuda.plan import choose_config, device_arch, device_sms
 
 sys.path.insert(0, str(Path(__file__).parent))  # PYTHONSAFEPATH runs leave the script's folder out
 from timing import copy_ceiling_gbps, time_graphs, time_ms  # noqa: E402
@@ -40,6 +44,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def op_of(**kw) -> ir.PagedAttention:
     return ir.PagedAttention(HQ, HKV, D, P, "bf16", "bf16", **kw)
+
+
+def launched_kernel(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_len: int,
+                    num_splits: int | None = None, fused_merge: bool = True) -> ir.Kernel:
+    """The kernel attention.plan() launches for these shapes on device 0 (to build ahead of the timings)."""
+    return ir.Kernel(op, choose_config(op, num_tokens, num_seqs, max_kv_len, device_sms(0), device_arch(0), num_splits,
+                                       fused_merge))
+
+
+def set_wg_tiles(tiles: dict[int, tuple[int, int]]) -> None:
+    """Hopper prefill tiles {padded row width: (K/V positions, TMA stages)} for this process (layout.WG_TILE), for
+    the kernels rendered from now on; the layout caches are cleared so that no earlier answer outlives them. A
+    kernel built before keeps its tile: build the new one through another kernel table (plan's kernel_of)."""
+    cuda_layout.WG_TILE.update(tiles)
+    cuda_layout.layout.cache_clear()
+    cuda_layout.check_fits.cache_clear()
+
+
+def plan_for(op: ir.PagedAttention, b, **kw) -> attention.Plan:
+    """attention.plan() for a batch's shapes (b: a PagedBatch, or args of one with q and page_table); kw: plan()'s
+    num_splits, fused_merge, config, workspace."""
+    args = b if isinstance(b, dict) else b.args()
+    return attention.plan(op, args["q"].shape[0], args["page_table"].shape[0],
+                          args["page_table"].shape[1] * op.page_size, **kw)
 
 
 class PagedBatch:
@@ -92,7 +120,7 @@ def decode_batches(B: int, L: int, gen: torch.Generator) -> list[PagedBatch]:
 def spin_up_clocks(seconds: float = 0.5) -> None:
     """Busy the GPU a moment before timing: it idles at 345 MHz while builds and JIT run on the CPU.
     Matmuls and a 1 GiB copy in turn (SM and memory clocks): after kernels.py's cache section the
-    first decode group (SDPA too) read ~10% slow after a 0.3 s matmul-only spin (session 5)."""
+    first decode group (SDPA too) read ~10% slow after a 0.3 s matmul-only spin."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -131,17 +159,17 @@ def decode_rows(gen, splits_sweep=(), unified=False, peers=None) -> list[dict]:
         shape = f"{B}x{L}"
         k, v = b0.contiguous_kv()
         want = sdpa(b0.q_bhld(), k, v, False).transpose(1, 2).reshape(b0.q.shape)
-        auto = attention.launch_splits(op, B, B, L)
+        auto = plan_for(op, b0).num_splits
         kc = [b.contiguous_kv() for b in batches]
         # ours at each split count and SDPA in one interleaved timing: the ratio is drift-free
-        fns = {s: [lambda b=b, s=s: attention.paged_attention(op, **b.args(), out=b.out, num_splits=s) for b in batches]
-               for s in dict.fromkeys([auto, *splits_sweep]) if s == 1 or L // s >= 64}
+        plans = {s: plan_for(op, b0, num_splits=s) for s in dict.fromkeys([auto, *splits_sweep]) if s == 1 or L // s >= 64}
+        fns = {s: [lambda b=b, p=p: attention.run(p, **b.args(), out=b.out) for b in batches] for s, p in plans.items()}
         fns["sdpa"] = [lambda b=b, kv=kv: sdpa(b.q_bhld(), *kv, False) for b, kv in zip(batches, kc)]
         fns.update({name: make(b0) for name, make in (peers or {}).get("decode", {}).items()})
         timings = time_graphs(fns, calls=10, rounds=ROUNDS)
         for splits in [s for s in fns if isinstance(s, int)]:
             b0.out.fill_(float("nan"))
-            attention.paged_attention(op, **b0.args(), out=b0.out, num_splits=splits)
+            attention.run(plans[splits], **b0.args(), out=b0.out)
             diff = (b0.out.float() - want.float()).abs().max().item()
             impl = f"ua splits={splits}" + (" (auto)" if splits == auto else "")
             ms = timings[splits].ms
@@ -160,8 +188,8 @@ def decode_rows(gen, splits_sweep=(), unified=False, peers=None) -> list[dict]:
         rows.append(_row("decode", shape, "gather + SDPA", ms=ms, gbps=b0.kv_bytes / ms / 1e6))
         if unified and (B, L) == (8, 16384):
         # llama.cpp-style unified buffer: every query scans all 8 sequences' cells
-            uop = op_of(variant="unified_masked")
-            ms = time_ms([lambda: attention.paged_attention(uop, **b0.args(), out=b0.out)], calls_per_fn=2)
+            up = plan_for(op_of(variant="unified_masked"), b0)
+            ms = time_ms([lambda: attention.run(up, **b0.args(), out=b0.out)], calls_per_fn=2)
             diff = (b0.out.float() - want.float()).abs().max().item()
             rows.append(_row("decode", shape, "unified_masked", ms=ms, gbps=b0.kv_bytes / ms / 1e6, diff=diff))
         del batches, b0
@@ -179,12 +207,13 @@ def prefill_rows(gen, shapes=PREFILL_SHAPES, peers=None) -> list[dict]:
         shape = f"{B}x{L} causal"
         k, v = b.contiguous_kv()
         want = sdpa(b.q_bhld(), k, v, True)
-        fns = {"ua": lambda: attention.paged_attention(op, **b.args(), out=b.out, num_splits=1),
+        p = plan_for(op, b, num_splits=1)
+        fns = {"ua": lambda: attention.run(p, **b.args(), out=b.out),
                "sdpa": lambda: sdpa(b.q_bhld(), k, v, True)}
         fns.update({name: make(b) for name, make in (peers or {}).get("prefill", {}).items()})
         t = time_graphs(fns, calls=2, rounds=ROUNDS)
         b.out.fill_(float("nan"))
-        attention.paged_attention(op, **b.args(), out=b.out, num_splits=1)
+        attention.run(p, **b.args(), out=b.out)
         diff = (b.out.view(B, L, HQ, D).transpose(1, 2).float() - want.float()).abs().max().item()
         rows.append(_row("prefill", shape, "ua", ms=t["ua"].ms, tflops=flops / t["ua"].ms / 1e9, diff=diff))
         rows.append(_row("prefill", shape, "torch SDPA contiguous", ms=t["sdpa"].ms, tflops=flops / t["sdpa"].ms / 1e9))
@@ -195,8 +224,9 @@ def prefill_rows(gen, shapes=PREFILL_SHAPES, peers=None) -> list[dict]:
     return rows
 
 
-def mixed_rows(gen) -> list[dict]:
-    """One ubatch: 2 prefill chunks of 2048 tokens at 8K context + 64 decodes at 4K."""
+def mixed_rows(gen, kernel_of=None) -> list[dict]:
+    """One ubatch: 2 prefill chunks of 2048 tokens at 8K context + 64 decodes at 4K (kernel_of: plan()'s kernel
+    table, default the process')."""
     op = op_of()
     chunk = PagedBatch(2, 8192, 2048, gen)
     dec = PagedBatch(64, 4096, 1, gen)
@@ -210,9 +240,10 @@ def mixed_rows(gen) -> list[dict]:
                 token_seq=torch.cat([chunk.token_seq, dec.token_seq + 2]), page_table=table,
                 token_kv_len=torch.cat([chunk.token_kv_len, dec.token_kv_len]))
     out = torch.empty_like(args["q"])
-    t = time_graphs({"ua one launch": lambda: attention.paged_attention(op, **args, out=out),
-                     "ua prefill part alone": lambda: attention.paged_attention(op, **chunk.args(), out=chunk.out),
-                     "ua decode part alone": lambda: attention.paged_attention(op, **dec.args(), out=dec.out)},
+    one, alone_p, alone_d = (plan_for(op, x, kernel_of=kernel_of) for x in (args, chunk, dec))
+    t = time_graphs({"ua one launch": lambda: attention.run(one, **args, out=out),
+                     "ua prefill part alone": lambda: attention.run(alone_p, **chunk.args(), out=chunk.out),
+                     "ua decode part alone": lambda: attention.run(alone_d, **dec.args(), out=dec.out)},
                     calls=5, rounds=ROUNDS)
     return [_row("mixed", "2x2048@8K + 64x1@4K", impl, ms=timing.ms) for impl, timing in t.items()]
 
@@ -310,9 +341,9 @@ def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None
     from concurrent.futures import ThreadPoolExecutor
 
     sweep = () if quick else (1, 2, 4, 8, 16, 32, 48)
-    # what paged_attention() launches for each decode row: at its auto split (None), one split and the swept ones
-    ops = list(dict.fromkeys([op_of(variant="unified_masked"), *(
-        attention.launch_plan(op_of(), B, B, L, num_splits=s)[0] for B, L in DECODE_SHAPES for s in (None, 1, *sweep))]))
+    # what plan() launches for each decode row: at its auto split (None), one split and the swept ones
+    ops = list(dict.fromkeys([launched_kernel(op_of(variant="unified_masked"), 8, 8, 16384), *(
+        launched_kernel(op_of(), B, B, L, num_splits=s) for B, L in DECODE_SHAPES for s in (None, 1, *sweep))]))
     with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
         list(pool.map(api.kernel, ops))
     log(f"# built {len(ops)} attention variants in {time.perf_counter() - t0:.1f} s")

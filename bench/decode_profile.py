@@ -5,7 +5,8 @@ ncu to profile side by side (run on the device):
         --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \\
         -k regex:"paged_attention|Batch|Merge" python3 bench/decode_profile.py --shape 32x4096
 
-Each implementation runs twice (the first call builds and plans); both outputs are checked
+Ours is planned once (attention.plan: the built-in split rule) and run twice (the first call loads the kernel);
+FlashInfer's runs twice too (its first call plans); both outputs are checked
 against torch SDPA on contiguous KV first, so a profile is of a correct launch.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # PYTHONSAFEPATH runs leave the script's folder out
-from attention_bench import PagedBatch, fi_decode, import_flashinfer, op_of, sdpa  # noqa: E402
+from attention_bench import PagedBatch, fi_decode, import_flashinfer, op_of, plan_for, sdpa  # noqa: E402
 from uacompile.targets.cuda import attention  # noqa: E402
 
 
@@ -35,7 +36,8 @@ def main(argv=None) -> int:
     want = sdpa(b.q_bhld(), k, v, False).transpose(1, 2).reshape(b.q.shape).float()
     del k, v
     op = op_of()
-    calls = {"ua": lambda: attention.paged_attention(op, **b.args(), out=b.out)}
+    p = plan_for(op, b)
+    calls = {"ua": lambda: attention.run(p, **b.args(), out=b.out)}
     fi = None if a.no_flashinfer else import_flashinfer()
     if fi is not None:
         ws = torch.empty(128 * 2**20, dtype=torch.uint8, device="cuda")
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
         got = b.out if got is None else got
         torch.cuda.synchronize()
         diff = (got.float().view_as(want) - want).abs().max().item()
-        print(f"{a.shape} {name}: max abs diff vs SDPA {diff:.3g}, splits {attention.launch_splits(op, B, B, L)}"
+        print(f"{a.shape} {name}: max abs diff vs SDPA {diff:.3g}, {p.config}"
               if name == "ua" else f"{a.shape} {name}: max abs diff vs SDPA {diff:.3g}", flush=True)
         if not diff <= 0.02:
             print(f"{name} is wrong: its profile would mean nothing", file=sys.stderr)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Fill .whl/ (git-ignored) with the small wheels the device machine lacks, for Python 3.12 on
 # x86_64: cffi + pycparser (the CUDA loader), gguf (GGUF models), pytest-xdist + execnet (GPU
-# tests in parallel workers), nvidia-ml-py (NVML: power and clocks, bench/timing.py power_per_call). The `run` tool carries .whl; bench/run_device.sh installs them.
+# tests in parallel workers), nvidia-ml-py (NVML: power and clocks, bench/timing.py power_per_call), platformdirs (the kernel cache directory). The `run` tool carries .whl; bench/run_device.sh installs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
-  cffi==2.0.0 pycparser==3.12 gguf==0.19.0 pytest-xdist==3.8.0 execnet==2.1.2 nvidia-ml-py==13.615.71  # run on the H200
+  cffi==2.0.0 pycparser==3.12 gguf==0.19.0 pytest-xdist==3.8.0 execnet==2.1.2 nvidia-ml-py==13.615.71 platformdirs==4.3.8  # run on the H200
 ls .whl

@@ -11,7 +11,9 @@ copies; swap with one pinned cudaMemcpy of the same bytes and with per-block cop
 swap_blocks does one memcpy per block). Build rows: nvcc cold build and cached load (a
 copy of the cache at a new path: key + render + dlopen) per variant. Attention rows come
 from bench/attention_bench.py (`attention_rows`: ours, torch SDPA and FlashInfer timed
-interleaved per shape). The report is rewritten after every section, so a run cut short keeps its rows.
+interleaved per shape); plan-overhead rows from bench/plan_overhead.py (the CPU cost of one layer's
+attention.run() call from Python, and of paged_attention(), mean us over 1000 eager calls; target <= 15 us).
+The report is rewritten after every section, so a run cut short keeps its rows.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from uacompile import ir
 
 sys.path.insert(0, str(Path(__file__).parent))
 import attention_bench  # noqa: E402
+import plan_overhead  # noqa: E402
 from timing import copy_ceiling_gbps, time_eager, time_graphs  # noqa: E402
 from attention_bench import spin_up_clocks  # noqa: E402
 
@@ -59,16 +62,11 @@ def copy_ceiling(ctx: BenchContext) -> list[dict]:
 
 
 # ---------------------------------------------------------------- cache ops
-def _torch_dtype(d: str):
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8,
-            "fp8_e4m3": torch.float8_e4m3fn}[d]
-
-
 def _kv(shape, dtype: str, gen: torch.Generator | None = None) -> torch.Tensor:
     x = torch.randn(shape, device="cuda", generator=gen)
     if dtype == "int8":
         return (x * 40).clamp(-127, 127).to(torch.int8)
-    return x.to(_torch_dtype(dtype))
+    return x.to(ir.torch_dtype(dtype))
 
 
 # the tracked reshape_and_cache rows: (num_tokens, dtype, kv_dtype, rope) at Hkv=8, D=128, P=16
@@ -117,7 +115,7 @@ def reshape_case(T: int, dt_in: str, dt_kv: str, rope: bool, Hkv: int = 8, D: in
         args.update(k_scale=torch.ones(num_pages, P, Hkv, device="cuda"), v_scale=torch.ones(num_pages, P, Hkv, device="cuda"))
     if rope:
         args["positions"] = torch.randint(0, 32768, (T,), device="cuda", generator=gen)
-    out_item = torch.empty((), dtype=_torch_dtype(dt_kv)).element_size()
+    out_item = torch.empty((), dtype=ir.torch_dtype(dt_kv)).element_size()
     nbytes = 2 * T * Hkv * D * (args["k"].element_size() + out_item) + T * 8 + (2 * T * Hkv * 4 if op.quantized else 0)
     shape = f"T={T} Hkv={Hkv} D={D} P={P} {dt_in}->{dt_kv}{' +rope' if rope else ''}"
     return ReshapeCase(op, args, nbytes, shape)
@@ -222,22 +220,24 @@ def build_variants() -> list:
     ops = [R(8, 128, dtype="bf16", kv_dtype="bf16"), R(8, 128, dtype="bf16", kv_dtype="fp8_e4m3", rope=True),
            C(8, 128, kv_dtype="int8"), S(8, 128, kv_dtype="bf16"), M(32, 128, 8, out_dtype="bf16", return_lse=True)]
     try:
-        from uacompile.targets.cuda import attention  # noqa: F401
-
-        PA = ir.PagedAttention
-        ops += [PA(32, 8, 128, 16, "bf16", "bf16"), PA(32, 8, 128, 16, "bf16", "bf16", num_splits=8),
-                PA(32, 8, 128, 16, "bf16", "fp8_e4m3")]
+        from uacompile.targets.cuda.config import AttentionConfig
     except ImportError:
-        pass
+        return ops
+    PA = ir.PagedAttention
+    # paged attention as plan() builds it: the mixed kernel with the Hopper item queue (prefill), the decode-only
+    # kernel with 4 fused splits (8x16384 decode), and fp8 KV
+    ops += [ir.Kernel(PA(32, 8, 128, 16, "bf16", "bf16"), AttentionConfig(item_queue=True)),
+            ir.Kernel(PA(32, 8, 128, 16, "bf16", "bf16"), AttentionConfig(num_splits=4, fused_merge=True, decode_only=True)),
+            ir.Kernel(PA(32, 8, 128, 16, "bf16", "fp8_e4m3"), AttentionConfig())]
     return ops
 
 
 def build_rows(ctx: BenchContext) -> list[dict]:
-    from uacompile.cache import toolchain_versions
+    from uacompile import nvcc
     from uacompile.targets.cuda import build as build_mod, loader
 
     rows = []
-    toolchain_versions(build_mod.nvcc_path())  # nvcc --version once per process, outside the timings
+    nvcc.toolchain()  # nvcc --version once per process, outside the timings
     old = os.environ.get("UACOMPILE_CACHE_DIR")
     cold_dir, warm_dir = Path(tempfile.mkdtemp(prefix="ua-cold-")), Path(tempfile.mkdtemp(prefix="ua-warm-"))
     try:
@@ -276,9 +276,14 @@ def attention_rows(ctx: BenchContext) -> list[dict]:
     return attention_bench.attention_rows(ctx)
 
 
+def overhead_rows(ctx: BenchContext) -> list[dict]:
+    """The CPU cost of attention.run(plan, ...) and paged_attention() a call (bench/plan_overhead.py)."""
+    return plan_overhead.overhead_rows(ctx)
+
+
 # attention first: after the cache section its first decode group read ~10% slow (SDPA beside it too)
-SECTIONS = {"attention": attention_rows, "cache": lambda c: reshape_rows(c) + copy_blocks_rows(c), "swap": swap_rows,
-            "build": build_rows}
+SECTIONS = {"attention": attention_rows, "overhead": overhead_rows,
+            "cache": lambda c: reshape_rows(c) + copy_blocks_rows(c), "swap": swap_rows, "build": build_rows}
 
 
 # ---------------------------------------------------------------- report
@@ -339,6 +344,7 @@ CACHE_TARGET_PCT = 85.0
 SWAP_TARGET_PCT = 80.0
 COLD_BUILD_TARGET_MS = 10_000.0
 CACHED_LOAD_TARGET_MS = 50.0
+RUN_TARGET_US = plan_overhead.RUN_TARGET_US  # attention.run() CPU cost a call, eager from Python
 LAUNCH_BOUND_MS = 0.01  # rows faster than this measure launch cost, not bandwidth: not target rows
 
 
@@ -372,6 +378,10 @@ def target_checks(rows: list[dict]) -> list[dict]:
                 add(f"{r['op']} % of copy ceiling >= 85", r["shape"], r["pct_ceiling"], CACHE_TARGET_PCT)
         elif r["op"] == "swap_blocks" and "pct_memcpy" in r:
             add("swap % of pinned memcpy >= 80", r["shape"], r["pct_memcpy"], SWAP_TARGET_PCT)
+        elif r["op"] == "plan overhead" and r["impl"].startswith("attention.run"):
+            add(f"attention.run() CPU us <= {RUN_TARGET_US:g}", r["shape"], r["us"], RUN_TARGET_US,
+                higher_is_better=False, peers=peers_of("plan overhead", r["shape"], "us",
+                                                       ["paged_attention(), kept Workspace"]))
     for impl, target, goal in (("nvcc cold build", "cold build ms <= 10000", COLD_BUILD_TARGET_MS),
                                ("cached load", "cached load ms <= 50", CACHED_LOAD_TARGET_MS)):
         times = [r["ms"] for r in rows if r["op"] == "build" and r["impl"].startswith(impl)]

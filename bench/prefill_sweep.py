@@ -1,22 +1,22 @@
-"""Sweep the Hopper prefill tile table (attention.WG_TILE: K/V positions per tile, TMA stages) on
+"""Sweep the Hopper prefill tile table (layout.WG_TILE: K/V positions per tile, TMA stages) on
 ANCHORS.md's causal prefill shapes, with torch SDPA on contiguous KV in the same run, and check
 that the 8-warp decode blocks of each variant keep their speed. Run on the device:
 
-    python bench/prefill_sweep.py [--tiles 64x6,128x3:-DFLAG] [--decode] [--mixed] [--designs ";prefill=dynamic"]
-                                  [--power] [--json PATH]
+    python bench/prefill_sweep.py [--tiles 64x6,128x3] [--static] [--decode] [--mixed] [--power] [--json PATH]
 
-A tile may carry extra nvcc flags after a colon (the template's experiment switches). --designs
-compares several UACOMPILE_PA_VARIANT values (";"-separated, "" = production) in one process;
-every variant a design launches is built in parallel before any timing. Each shape's designs and
-torch SDPA are timed interleaved (timing.time_graphs: one graph each, replayed round by round),
+Each tile's kernels are built through a kernel table of their own (plan's kernel_of), all at once before any
+timing. Prefill runs as attention.plan() configures it (one split, the Hopper item queue); --static adds the
+same step on an explicit AttentionConfig without the item queue (one prefill item a block). Each shape's
+configs and torch SDPA are timed interleaved (timing.time_graphs: one graph each, replayed round by round),
 so drift hits them alike; compare tiles by their ratio to the SDPA timed beside them.
---mixed adds attention_bench's mixed-ubatch rows (per design). --power adds, per prefill row, the board's
+--mixed adds attention_bench's mixed-ubatch rows (production config). --power adds, per prefill row, the board's
 watts, joules per call and SM clock with each implementation running alone (timing.power_per_call, NVML): under
 the 700 W cap a variant can lose by drawing more power as well as by doing more work.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -26,47 +26,42 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # PYTHONSAFEPATH runs leave the script's folder out
-from attention_bench import D, DECODE_SHAPES, PREFILL_SHAPES, ROUNDS, PagedBatch, mixed_rows, op_of, sdpa, spin_up_clocks
-from timing import power_per_call, time_graphs
-from uacompile.targets.cuda import api, attention
+from attention_bench import (D, DECODE_SHAPES, PREFILL_SHAPES, ROUNDS, PagedBatch, launched_kernel, mixed_rows,  # noqa: E402
+                             op_of, plan_for, sdpa, set_wg_tiles, spin_up_clocks)
+from timing import power_per_call, time_graphs  # noqa: E402
+from uacompile import ir  # noqa: E402
+from uacompile.targets.cuda import api, attention  # noqa: E402
+from uacompile.targets.cuda.config import AttentionConfig  # noqa: E402
+
+CONFIGS = {"": None, "static": AttentionConfig()}  # name -> explicit config (None: plan()'s own)
 
 
-def prebuild(op, designs: list[str], decode: bool) -> None:
-    """Every variant paged_attention() launches under the designs (prefill, decode rows), built at once."""
+def prebuild(kernel_of, op, shapes, configs: dict, decode: bool) -> None:
+    """Every kernel the rows plan (prefill at each config, decode rows at their auto split), built at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    for d in designs:  # the render reads the other knobs once a process: bench/decode_sweep.py --candidates compares them
-        if any(k != "prefill" for k, v in attention.design_of(d).items() if v != attention.DESIGN_KNOBS[k][0]):
-            raise SystemExit(f"--designs: only the prefill knob changes within one process, got {d!r}")
-    splits = {1} | ({attention.launch_splits(op, B, B, L) for B, L in DECODE_SHAPES} if decode else set())
-    ops = {attention.launched_op(op, s, design=attention.design_of(d)) for d in designs for s in splits}
+    kernels = [ir.Kernel(op, c) if c is not None else launched_kernel(op, B * L, B, L, num_splits=1)
+               for B, L in shapes for c in configs.values()]
+    if decode:
+        kernels += [launched_kernel(op, B, B, L) for B, L in DECODE_SHAPES]
     with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
-        list(pool.map(api.kernel, ops))
-
-
-def under(design: str, fn):
-    """fn run with UACOMPILE_PA_VARIANT=design: paged_attention() reads it per call, so a graph
-    captured through this wrapper launches that design's op."""
-    def call():
-        os.environ[attention.DESIGN_ENV] = design
-        return fn()
-    return call
+        list(pool.map(kernel_of, dict.fromkeys(kernels)))
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tiles", default="64x6,128x3,64x4")
+    ap.add_argument("--tiles", default="64x6,128x3,64x4", help="wgmma tiles of the benchmarks' head dim (layout.WG_TILE[D]) to sweep: positions x stages, comma list")
+    ap.add_argument("--static", action="store_true", help="also time prefill without the item queue (one item a block)")
     ap.add_argument("--decode", action="store_true", help="also time the decode rows")
     ap.add_argument("--mixed", action="store_true", help="also time the mixed-ubatch rows")
-    ap.add_argument("--designs", default="", help='";"-separated UACOMPILE_PA_VARIANT values ("" = production)')
     ap.add_argument("--shapes", default=",".join(f"{B}x{L}" for B, L in PREFILL_SHAPES))
     ap.add_argument("--power", action="store_true", help="also read power and SM clock per prefill implementation (NVML)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    tiles = []
-    for t in a.tiles.split(","):
-        shape, _, flags = t.partition(":")
-        tiles.append((*(int(x) for x in shape.split("x")), flags))
+    tiles = [tuple(int(x) for x in t.split("x")) for t in a.tiles.split(",")]
+    if not torch.cuda.is_available():
+        print("bench/prefill_sweep.py needs a CUDA GPU", file=sys.stderr)
+        return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     op = op_of()
     rows = []
@@ -75,21 +70,20 @@ def main():
     for b in batches.values():
         b.kv = b.contiguous_kv()
         b.want = sdpa(b.q_bhld(), *b.kv, True)
-    designs = a.designs.split(";")
-    for bn, stages, flags in tiles:
-        attention.WG_TILE[D] = (bn, stages)
-        os.environ["UACOMPILE_NVCC_FLAGS"] = flags
-        api._kernels.clear()
+    configs = {n: c for n, c in CONFIGS.items() if n == "" or a.static}
+    for bn, stages in tiles:
+        set_wg_tiles({D: (bn, stages)})
+        kernel_of = functools.cache(api.CudaKernel)  # this tile's kernels (the process table holds another tile's)
         t0 = time.perf_counter()
-        prebuild(op, designs, a.decode)
+        prebuild(kernel_of, op, list(batches), configs, a.decode)
         built = time.perf_counter() - t0
-        tile = f"ua wgmma {bn}x{stages}{' ' + flags if flags else ''}"
-        impls = {d: f"{tile}{' ' + d if d else ''}" for d in designs}
+        tile = f"ua wgmma {bn}x{stages}"
+        impls = {d: f"{tile}{' ' + d if d else ''}" for d in configs}
         spin_up_clocks()  # the builds let the clocks drop
         for (B, L), b in batches.items():
             flops = 4 * B * L * L / 2 * 32 * D
-            call = lambda: attention.paged_attention(op, **b.args(), out=b.out, num_splits=1)  # noqa: E731
-            fns = {d: under(d, call) for d in designs}
+            plans = {d: plan_for(op, b, num_splits=1, config=c, kernel_of=kernel_of) for d, c in configs.items()}
+            fns = {d: (lambda p=p: attention.run(p, **b.args(), out=b.out)) for d, p in plans.items()}
             fns["sdpa"] = lambda: sdpa(b.q_bhld(), *b.kv, True)
             t = time_graphs(fns, calls=2, rounds=ROUNDS)
             power = power_per_call(fns) if a.power else {}
@@ -99,32 +93,27 @@ def main():
                      for n, w in power.items()}
             rows.append(dict(shape=f"{B}x{L} causal", impl=f"torch SDPA contiguous (beside {tile})", ms=t["sdpa"].ms,
                              tflops=flops / t["sdpa"].ms / 1e9, **watts.get("sdpa", {})))
-            for d in designs:
+            for d in configs:
                 b.out.fill_(float("nan"))
-                under(d, call)()
+                fns[d]()
                 diff = (b.out.view(B, L, 32, D).transpose(1, 2).float() - b.want.float()).abs().max().item()
                 rows.append(dict(shape=f"{B}x{L} causal", impl=impls[d], ms=t[d].ms, tflops=flops / t[d].ms / 1e9,
                                  vs_sdpa=round(t["sdpa"].ms / t[d].ms, 3), spread_pct=round(t[d].spread_pct, 2),
-                                 diff=diff, build_s=round(built, 2), **watts.get(d, {})))
+                                 diff=diff, build_s=round(built, 2), config=str(plans[d].config), **watts.get(d, {})))
                 print(rows[-1], flush=True)
         if a.decode:
             for B, L in DECODE_SHAPES:
                 d_ = PagedBatch(B, L, 1, gen)
-                call = lambda: attention.paged_attention(op, **d_.args(), out=d_.out)  # noqa: E731
-                t = time_graphs({d: under(d, call) for d in designs}, calls=10, rounds=ROUNDS)
-                splits = attention.launch_splits(op, B, B, L)
-                for d in designs:
-                    rows.append(dict(shape=f"decode {B}x{L}", impl=f"{impls[d]} splits={splits}", ms=t[d].ms,
-                                     gbps=d_.kv_bytes / t[d].ms / 1e6))
-                    print(rows[-1], flush=True)
-                del d_
+                p = plan_for(op, d_, kernel_of=kernel_of)
+                t = time_graphs({"ua": lambda: attention.run(p, **d_.args(), out=d_.out)}, calls=10, rounds=ROUNDS)
+                rows.append(dict(shape=f"decode {B}x{L}", impl=f"{tile} splits={p.num_splits}", ms=t["ua"].ms,
+                                 gbps=d_.kv_bytes / t["ua"].ms / 1e6))
+                print(rows[-1], flush=True)
+                del d_, p
         if a.mixed:
-            for d in designs:
-                os.environ[attention.DESIGN_ENV] = d
-                for r in mixed_rows(gen):
-                    rows.append(dict(shape=f"mixed {r['shape']}", impl=f"{impls[d]}: {r['impl']}", ms=r["ms"]))
-                    print(rows[-1], flush=True)
-        os.environ.pop(attention.DESIGN_ENV, None)
+            for r in mixed_rows(gen, kernel_of=kernel_of):
+                rows.append(dict(shape=f"mixed {r['shape']}", impl=f"{tile}: {r['impl']}", ms=r["ms"]))
+                print(rows[-1], flush=True)
     print(f"\n{torch.cuda.get_device_name()}\n| shape | impl | ms | TFLOP/s | GB/s | x SDPA (same timing) | max abs diff vs SDPA "
           "| W alone | J a call | SM MHz |\n|---|---|---|---|---|---|---|---:|---:|---:|")
     for r in rows:
@@ -133,7 +122,8 @@ def main():
               f"{r.get('sm_mhz', '')} |")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,10 +2,9 @@
 
     PYTHONPATH=... python3 bench/reshape_sweep.py [--only rows4,oneshot] [--list]   # JSON to $OUT if set
 
-A candidate is the template built with other design knobs (`_reshape_and_cache` in
-targets/cuda/render.py; UACOMPILE_RC_VARIANT is set only in the build worker processes, so
-the parallel builds do not see each other's knobs). Each candidate is one library holding
-the ops of bench/kernels.py RESHAPE_CASES. For every case and candidate: a correctness run
+A candidate is the template built with another ReshapeConfig (targets/cuda/config.py; the rule for the fields
+it leaves unset is `_reshape_and_cache` in targets/cuda/render.py). Each candidate is one library holding
+the kernels of bench/kernels.py RESHAPE_CASES. For every case and candidate: a correctness run
 on poisoned caches with every 5th slot -1, against the numpy reference (bit for bit; K with
 fused RoPE as tests/targets/cuda/test_cuda_api_gpu.py allows, <= 1e-4 of the written rows, and bit for bit with
 the first candidate); for quantised caches a second run with rows outside the fast quantisation
@@ -59,14 +58,41 @@ CANDIDATES = {
 }
 
 
-def build_all(names: list[str], ops: list, arch: str) -> tuple[dict, dict]:
-    """Parallel nvcc runs, one per candidate: {name: library}, {name: error}."""
-    from uacompile.targets.cuda.loader import build_failure, load_designs
-    from uacompile.targets.cuda.render import RC_DESIGN_ENV
+def candidate_kernel(name: str, op):
+    """The candidate's kernel of op: op with the candidate's ReshapeConfig."""
+    from uacompile import ir
+    from uacompile.targets.cuda.config import ReshapeConfig
 
-    built = load_designs(RC_DESIGN_ENV, {name: CANDIDATES[name] for name in names}, ops, arch)
-    libs = {n: v for n, v in built.items() if not isinstance(v, Exception)}
-    return libs, {n: build_failure(v) for n, v in built.items() if isinstance(v, Exception)}
+    return ir.Kernel(op, ReshapeConfig.parse(CANDIDATES[name]))
+
+
+def build_failure(e: Exception) -> str:
+    """A candidate's failed build in one line (a sweep's row)."""
+    text = str(e).strip()
+    return f"build: {text.splitlines()[-1][:200] if text else type(e).__name__}"
+
+
+def build_all(names: list[str], ops: list, arch: str) -> tuple[dict, dict]:
+    """One library a candidate (its kernels: ops with its ReshapeConfig), nvcc runs side by side on threads:
+    {name: library}, {name: its build's error in one line}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from uacompile.targets.cuda.loader import load
+
+    def one(n):
+        try:
+            return n, load([candidate_kernel(n, op) for op in ops], arch), None
+        except Exception as e:  # noqa: BLE001 - a candidate that does not build is a row, not the end
+            return n, None, build_failure(e)
+
+    libs, failed = {}, {}
+    with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        for n, lib, err in pool.map(one, names):
+            if lib is not None:
+                libs[n] = lib
+            else:
+                failed[n] = err
+    return libs, failed
 
 
 # ---------------------------------------------------------------- correctness
@@ -227,7 +253,7 @@ def main(argv=None) -> int:
     args.rounds = args.rounds or kb.RESHAPE_ROUNDS
 
     from uacompile.targets.cuda import api
-    from uacompile.targets.cuda.build import default_arch
+    from uacompile.nvcc import default_arch
 
     t_start = time.perf_counter()
     torch.manual_seed(0)
@@ -254,7 +280,7 @@ def main(argv=None) -> int:
             if n not in libs:
                 rows.append(dict(shape=case.shape, candidate=n, design=CANDIDATES[n], check=failed[n]))
                 continue
-            kern = api.CudaKernel(case.op, library=libs[n])
+            kern = api.CudaKernel(candidate_kernel(n, case.op), library=libs[n])
             try:
                 status = check(kern, case, check_slots, expected, first, special)
             except RuntimeError as e:  # a candidate that cannot launch must not lose the others' rows

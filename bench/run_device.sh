@@ -4,6 +4,7 @@
 #   UA_GPU_TESTS=tests/targets/cuda/test_cuda_api_gpu.py UA_BENCH_ARGS="--only cache,swap,build" bash bench/run_device.sh
 #   UA_GPU_TESTS=tests/targets/cuda/test_cuda_decode_gpu.py UA_BENCH_SCRIPT="bench/decode_sweep.py --extra" bash bench/run_device.sh
 #   UA_SKIP_TESTS=1 UA_BENCH_SCRIPT="bench/variant_sweep.py" bash bench/run_device.sh   # head dims, GQA, pages (~30 s)
+#   UA_SKIP_TESTS=1 UA_BENCH_SCRIPT='bench/serving_gpu.py --out $OUT' bash bench/run_device.sh   # the serving table
 # Installs the carried wheels (cffi, pycparser, ...) and the package, runs `pytest -m gpu`, then bench/kernels.py; logs, JSON and table go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +36,7 @@ if [ "${UA_SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${UA_SKIP_BENCH:-0}" != 1 ]; then
   if [ -n "${UA_BENCH_SCRIPT:-}" ]; then  # another bench script (with its arguments) instead of kernels.py
-    python3 ${UA_BENCH_SCRIPT} 2>&1 | tee "$OUT/bench.log"
+    eval python3 ${UA_BENCH_SCRIPT} 2>&1 | tee "$OUT/bench.log"
     rc=$(( rc || PIPESTATUS[0] ))
   else
     python3 bench/kernels.py --out "$OUT" ${UA_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"

@@ -5,8 +5,7 @@ warmed up on the capture stream first), so launch gaps and Python do not count. 
 replays each graph once, in an order rotated by one per round, with no synchronisation inside a
 round: clock, power and DRAM drift hit every implementation of a row alike and none always runs
 first. This is why ratios against peers are taken from one time_graphs call: timed one after
-the other, the same kernel read up to 10% apart (session 4's first-row dip, session 5's
-prefill_sweep rows).
+the other, the same kernel read up to 10% apart (docs/attention-rationale.md, "How it was measured").
 """
 from __future__ import annotations
 
@@ -80,8 +79,8 @@ class Power:
 
 def power_per_call(fns: dict, seconds: float = 1.0, passes: int = 2, calls: int = 10) -> dict:
     """{name: Power} for time_graphs' {name: fn or list of fns}, or {} without NVML (nvidia-ml-py, carried
-    in .whl). Under a power cap the same kernel runs at whatever clock its draw leaves it (session 5: prefill at
-    669-696 W of 700, the SM clock 1575-1740 MHz), so a variant that is slower beside the same SDPA may be
+    in .whl). Under a power cap the same kernel runs at whatever clock its draw leaves it (prefill on the H200 draws
+    up to its 700 W cap and its SM clock moves with it), so a variant that is slower beside the same SDPA may be
     drawing more power rather than doing more work; time_graphs' interleaved rounds cannot tell which
     implementation drew it. Here each one runs alone for `seconds`, `passes` times in rotated order (drift hits
     all alike), and the board's energy counter is read around it."""
@@ -144,8 +143,8 @@ def time_eager(fn, iters: int = 20, repeats: int = 5, warmup: int = 3) -> float:
 def copy_ceiling_gbps(nbytes: int = 1 << 30, iters: int = 10, repeats: int = 5) -> tuple[float, float]:
     """(GB/s, ms) of one device-to-device torch copy_ of nbytes (read + written): the ceiling the
     bandwidth rows are read against. The source is random (no compressible zeros). Timed eagerly,
-    not in a graph: captured, the copy becomes a memcpy node that the H200 ran at 2.77 TB/s against
-    4.26 eager (session 5), below our own kernels."""
+    not in a graph: captured, the copy becomes a memcpy node that runs well below the eager copy on the H200
+    (docs/attention-rationale.md)."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = time_eager(lambda: dst.copy_(src), iters, repeats)

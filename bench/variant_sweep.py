@@ -1,7 +1,7 @@
 """Attention across the variant axes on the device: ours against torch SDPA on contiguous KV.
 
     python3 bench/variant_sweep.py [--only NAME,...] [--json PATH]   # JSON also to $OUT/variant_sweep.json
-    python3 bench/variant_sweep.py --only d64 --wg-tile 64=192x4    # another Hopper prefill tile (attention.WG_TILE)
+    python3 bench/variant_sweep.py --only d64 --wg-tile 64=192x4    # another Hopper prefill tile (layout.WG_TILE)
     python3 bench/variant_sweep.py --rerender JSON [--out DIR] [--before JSON]  # a run's table and chart (no GPU)
 
 bench/kernels.py checks the targets on one geometry (ANCHORS.md's: bf16, Hq 32, Hkv 8, D 128, page
@@ -9,10 +9,11 @@ bench/kernels.py checks the targets on one geometry (ANCHORS.md's: bf16, Hq 32, 
 pages of 1 to 256, fp16. For each geometry (VARIANTS) this times, interleaved with torch SDPA on
 contiguous copies of the same K/V (timing.time_graphs):
 - decode: DECODE_B sequences whose K + V take about DECODE_BYTES, one query token each, at the split
-  count paged_attention() picks; effective GB/s = K + V bytes / time;
+  count attention.plan() picks; effective GB/s = K + V bytes / time;
 - causal prefill: PREFILL_B x PREFILL_L, TFLOP/s = 4 * B * L^2 / 2 * Hq * D / time.
 Every launch is first checked against SDPA on poisoned outputs (max abs diff; exit status 1 when one
-exceeds TOLERANCE). The ratio is SDPA's time over ours (> 1: ours is faster).
+exceeds TOLERANCE). The ratio is SDPA's time over ours (> 1: ours is faster). Ours is planned once a row
+(attention.plan) and the timed graphs hold attention.run() only.
 """
 from __future__ import annotations
 
@@ -33,12 +34,13 @@ from timing import copy_ceiling_gbps, time_graphs  # noqa: E402
 
 from uacompile import ir  # noqa: E402
 from uacompile.targets.cuda import api, attention  # noqa: E402
+from uacompile.targets.cuda import layout as cuda_layout  # noqa: E402
+from uacompile.targets.cuda.plan import choose_config, device_arch, device_sms  # noqa: E402
 
 DECODE_B, DECODE_BYTES = 16, 512 * 2**20
 PREFILL_B, PREFILL_L = 4, 4096
 TOLERANCE = 2e-2  # 16-bit output against SDPA
 ROUNDS = 11
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ VARIANTS = [
 
 
 def parse_wg_tiles(specs: list[str]) -> dict[int, tuple[int, int]]:
-    """--wg-tile W=BNxSTAGES (repeatable): the wgmma prefill tile of padded row width W (attention.WG_TILE's key)."""
+    """--wg-tile W=BNxSTAGES (repeatable): the wgmma prefill tile of padded row width W (layout.WG_TILE's key)."""
     tiles = {}
     for spec in specs:
         try:
@@ -90,23 +92,27 @@ def parse_wg_tiles(specs: list[str]) -> dict[int, tuple[int, int]]:
             width = int(width)
         except ValueError:
             raise SystemExit(f"--wg-tile: expected like 64=192x4, got {spec!r}") from None
-        if width not in attention.WG_TILE or bn % 16 or not 16 <= bn <= 256 or stages < 1:
-            raise SystemExit(f"--wg-tile {spec}: width one of {sorted(attention.WG_TILE)}, positions a multiple of 16 "
+        if width not in cuda_layout.WG_TILE or bn % 16 or not 16 <= bn <= 256 or stages < 1:
+            raise SystemExit(f"--wg-tile {spec}: width one of {sorted(cuda_layout.WG_TILE)}, positions a multiple of 16 "
                              "up to 256 (a wgmma n), at least one stage")
         tiles[width] = (bn, stages)
     return tiles
 
 
-def launched_ops(v: Variant) -> tuple[ir.PagedAttention, int, ir.PagedAttention]:
-    """(the decode launch's op, its split count, the prefill launch's op), as paged_attention() picks them."""
+def launched_ops(v: Variant, num_sms: int = cuda_layout.H200_SMS, arch: str = "sm_90") -> tuple[ir.Kernel, int, ir.Kernel]:
+    """(the decode launch's kernel, its split count, the prefill launch's kernel), as attention.plan() picks them
+    on a GPU of num_sms SMs of arch (default: the H200's)."""
     op = v.op()
-    decode, splits = attention.launch_plan(op, DECODE_B, DECODE_B, v.decode_len())
-    return decode, splits, attention.launch_plan(op, PREFILL_B * PREFILL_L, PREFILL_B, PREFILL_L, num_splits=1)[0]
+    decode = choose_config(op, DECODE_B, DECODE_B, v.decode_len(), num_sms, arch)
+    prefill = choose_config(op, PREFILL_B * PREFILL_L, PREFILL_B, PREFILL_L, num_sms, arch, num_splits=1)
+    return ir.Kernel(op, decode), decode.num_splits, ir.Kernel(op, prefill)
+
 
 
 def build_all(variants, log=print) -> None:
     """Every launched kernel built at once (one nvcc a kernel, in parallel), so timing never waits on a build."""
-    ops = list(dict.fromkeys(op for v in variants for op in launched_ops(v)[::2]))  # (decode op, prefill op)
+    here = device_sms(0), device_arch(0)
+    ops = list(dict.fromkeys(op for v in variants for op in launched_ops(v, *here)[::2]))  # (decode, prefill)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(min(16, os.cpu_count() or 2)) as pool:
         list(pool.map(api.kernel, ops))
@@ -118,15 +124,16 @@ def _diff(got, want) -> float:
 
 
 def decode_row(v: Variant, gen) -> dict:
-    op, (_, splits, _) = v.op(), launched_ops(v)
-    L = v.decode_len()
-    b = ab.PagedBatch(DECODE_B, L, 1, gen, (v.hq, v.hkv, v.d, v.p), DTYPES[v.dtype])
+    op, L = v.op(), v.decode_len()
+    b = ab.PagedBatch(DECODE_B, L, 1, gen, (v.hq, v.hkv, v.d, v.p), ir.torch_dtype(v.dtype))
+    p = ab.plan_for(op, b)
+    splits = p.num_splits
     k, kv = b.contiguous_kv()
     want = ab.sdpa(b.q_bhld(), k, kv, False).transpose(1, 2).reshape(b.q.shape)
     b.out.fill_(float("nan"))
-    attention.paged_attention(op, **b.args(), out=b.out)
+    attention.run(p, **b.args(), out=b.out)
     diff = _diff(b.out, want)
-    t = time_graphs({"ua": lambda: attention.paged_attention(op, **b.args(), out=b.out),
+    t = time_graphs({"ua": lambda: attention.run(p, **b.args(), out=b.out),
                      "sdpa": lambda: ab.sdpa(b.q_bhld(), k, kv, False)}, calls=10, rounds=ROUNDS)
     ours, peer = t["ua"].ms, t["sdpa"].ms
     return dict(op="decode", shape=f"{DECODE_B}x{L}", splits=splits, ms=ours, sdpa_ms=peer,
@@ -135,13 +142,14 @@ def decode_row(v: Variant, gen) -> dict:
 
 def prefill_row(v: Variant, gen) -> dict:
     op = v.op()
-    b = ab.PagedBatch(PREFILL_B, PREFILL_L, PREFILL_L, gen, (v.hq, v.hkv, v.d, v.p), DTYPES[v.dtype])
+    b = ab.PagedBatch(PREFILL_B, PREFILL_L, PREFILL_L, gen, (v.hq, v.hkv, v.d, v.p), ir.torch_dtype(v.dtype))
     k, kv = b.contiguous_kv()
     want = ab.sdpa(b.q_bhld(), k, kv, True)
+    p = ab.plan_for(op, b, num_splits=1)
     b.out.fill_(float("nan"))
-    attention.paged_attention(op, **b.args(), out=b.out, num_splits=1)
+    attention.run(p, **b.args(), out=b.out)
     diff = _diff(b.out.view(PREFILL_B, PREFILL_L, v.hq, v.d).transpose(1, 2), want)
-    t = time_graphs({"ua": lambda: attention.paged_attention(op, **b.args(), out=b.out, num_splits=1),
+    t = time_graphs({"ua": lambda: attention.run(p, **b.args(), out=b.out),
                      "sdpa": lambda: ab.sdpa(b.q_bhld(), k, kv, True)}, calls=2, rounds=ROUNDS)
     flops = 4 * PREFILL_B * PREFILL_L**2 / 2 * v.hq * v.d
     ours, peer = t["ua"].ms, t["sdpa"].ms
@@ -208,7 +216,7 @@ def report(meta: dict, out_dir: Path, stem: str, before: dict | None = None) -> 
     if meta.get("wg_tile"):
         md += "Hopper prefill tiles changed for this run (row width: positions x stages): " + \
             ", ".join(f"{w}: {t}" for w, t in meta["wg_tile"].items()) + ".\n\n"
-    md += (f"Copy ceiling {meta['copy_gbps']:.0f} GB/s. Ours at the split count paged_attention() picks; SDPA on "
+    md += (f"Copy ceiling {meta['copy_gbps']:.0f} GB/s. Ours at the split count attention.plan() picks; SDPA on "
            f"contiguous copies of the same K/V, timed interleaved.\n\n{table(meta['rows'])}\n")
     (out_dir / f"{stem}.md").write_text(md)
     return md
@@ -222,7 +230,7 @@ def main():
     ap.add_argument("--out", default=None, help="with --rerender: the folder (default: the JSON's)")
     ap.add_argument("--before", metavar="JSON", help="with --rerender: an earlier run, drawn as dotted lines")
     ap.add_argument("--wg-tile", action="append", default=[], metavar="W=BNxST",
-                    help="a Hopper prefill tile instead of attention.WG_TILE's (row width W: 64, 128, 256)")
+                    help="a Hopper prefill tile instead of layout.WG_TILE's (row width W: 64, 128, 256)")
     args = ap.parse_args()
     if args.rerender:
         src = Path(args.rerender)
@@ -237,7 +245,7 @@ def main():
         ap.error(f"unknown variants {sorted(unknown)}")
     variants = [v for v in VARIANTS if not wanted or v.name in wanted]
     wg_tiles = parse_wg_tiles(args.wg_tile)
-    attention.WG_TILE.update(wg_tiles)
+    ab.set_wg_tiles(wg_tiles)
     build_all(variants)
     gen = torch.Generator(device="cuda").manual_seed(0)
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_gbps=copy_ceiling_gbps()[0],

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from uacompile import ir
 from uacompile.targets.cuda import attention
-from uacompile.targets.cuda.build import compiler_warnings, nvcc_flags, nvcc_path, serialised_kernels
+from uacompile.nvcc import compiler_warnings, nvcc_path
+from uacompile.targets.cuda.build import nvcc_flags, serialised_kernels
 from uacompile.targets.cuda.render import code_shapes, render_op
 
 PA = ir.PagedAttention

@@ -15,7 +15,6 @@ import torch
 
 from uacompile import binding, ir, reference
 
-TORCH_TO_IR = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 BACKENDS = ("tvm-cpu", "cuda", "reference")
 
 
@@ -30,12 +29,12 @@ class KernelOps:
 
     @classmethod
     def for_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
-                  sliding_window: int = 0) -> "KernelOps":
-        if dtype not in TORCH_TO_IR:
-            raise TypeError(f"dtype must be one of {list(TORCH_TO_IR)}, got {dtype}")
-        dt = TORCH_TO_IR[dtype]
+                  sliding_window: int = 0, variant: str = "ua") -> "KernelOps":
+        dt = ir.from_torch(dtype)
+        if dt not in ir.FLOAT_DTYPES:
+            raise TypeError(f"dtype must be one of {[ir.torch_dtype(d) for d in ir.FLOAT_DTYPES]}, got {dtype}")
         return cls(ir.PagedAttention(num_heads, num_kv_heads, head_dim, page_size, q_dtype=dt, kv_dtype=dt,
-                                     window=sliding_window),
+                                     window=sliding_window, variant=variant),
                    ir.ReshapeAndCache(num_kv_heads, head_dim, page_size, dtype=dt, kv_dtype=dt),
                    ir.CopyBlocks(num_kv_heads, head_dim, page_size, kv_dtype=dt),
                    ir.SwapBlocks(num_kv_heads, head_dim, page_size, kv_dtype=dt))
@@ -49,6 +48,10 @@ class KernelBackend:
 
     def run(self, op: ir.OpSpec, **tensors) -> None:
         raise NotImplementedError
+
+    def prepare(self, max_tokens: int, max_seqs: int, max_kv_len: int, progress: bool = False) -> dict:
+        """Build or load, before serving, every kernel a step within these limits may launch."""
+        return dict(kernels=0, cached=0, seconds=0.0)
 
     def plan_step(self, num_tokens: int, num_seqs: int, max_kv_len: int):
         """What a step's attention launches need, worked out once before its layers (None: nothing to plan)."""
@@ -79,12 +82,11 @@ class ReferenceBackend(KernelBackend):
         self.binders = {op.kind: binding.host_binder(op) for op in (ops.attention, ops.cache_write, ops.copy, ops.swap)}
 
     def run(self, op, **tensors):
-        self.binders[op.kind](tensors)
+        self.binders[op.kind](tensors)  # names, dtypes, shapes, layout, on the CPU
         arrays = {}
         for k, t in tensors.items():
-            if t.device.type != "cpu" or t.dtype == torch.bfloat16:
-                raise TypeError(f"reference backend: {k} must be a CPU fp32/fp16/int tensor, "
-                                f"got {t.dtype} on {t.device}")
+            if t.dtype == torch.bfloat16:
+                raise TypeError(f"reference backend: {k} must be fp32/fp16 (numpy has no bf16 view), got {t.dtype}")
             arrays[k] = t.numpy()  # a view: in-place writes land in the torch tensor
         if op.kind == "paged_attention":
             out = arrays.pop("out")
@@ -132,14 +134,24 @@ class CUDABackend(KernelBackend):
         except ImportError as e:
             raise NotImplementedError(f"cuda backend: uacompile.targets.cuda is not available ({e})") from None
         layout.check(ops.attention)  # IRError naming the field the CUDA template does not cover
-        # the attention kernels of a one-split prefill step and decode step, as plan() picks them
-        # (split counts other than 1 build at their first step)
-        device = torch.cuda.current_device()
-        arch, sms = plan.device_arch(device), plan.device_sms(device)
-        steps = [ir.Kernel(ops.attention, plan.choose_config(ops.attention, t, 1, 0, sms, arch)) for t in (1, 2)]
-        api.preload([*steps, ops.cache_write, ops.copy, ops.swap])  # one nvcc run per kind, cached
         self.api, self.attention, self.planner = api, attention, plan
-        self.workspace = plan.Workspace(torch.device("cuda", device))
+        self.device = torch.cuda.current_device()
+        self.workspace = plan.Workspace(torch.device("cuda", self.device))
+
+    def prepare(self, max_tokens: int, max_seqs: int, max_kv_len: int, progress: bool = False) -> dict:
+        """Build or load every kernel a step within these limits may launch (planner.reachable_configs), so no
+        step waits for nvcc; returns {kernels, cached libraries, seconds}."""
+        import time
+
+        t0 = time.perf_counter()
+        plan = self.planner
+        arch, sms = plan.device_arch(self.device), plan.device_sms(self.device)
+        P = self.ops.attention.page_size  # a step's page tables span whole pages
+        configs = plan.reachable_configs(self.ops.attention, max_tokens, max_seqs, -(-max_kv_len // P) * P, sms, arch)
+        kernels = [ir.Kernel(self.ops.attention, c) for c in configs]
+        kernels += [ir.Kernel(self.ops.cache_write), ir.Kernel(self.ops.copy), ir.Kernel(self.ops.swap)]
+        hits = self.api.preload(kernels, progress=progress)
+        return dict(kernels=len(kernels), cached=hits, seconds=time.perf_counter() - t0)
 
     def plan_step(self, num_tokens: int, num_seqs: int, max_kv_len: int):
         return self.planner.plan(self.ops.attention, num_tokens, num_seqs, max_kv_len, workspace=self.workspace)

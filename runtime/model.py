@@ -206,6 +206,28 @@ class LlamaForCausalLM(nn.Module):
         model.inv_freq = model.inv_freq.to(device)
         return model
 
+    @classmethod
+    def random(cls, cfg: ModelConfig, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0
+               ) -> "LlamaForCausalLM":
+        """Random weights made on the device (a model's shape without its checkpoint, for benchmarks): linear and
+        embedding weights N(0, 0.02), norms 1."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+            if cfg.rope_freq_factors:
+                model.rope_freqs.fill_(1.0)
+        model._refresh_rope()
+        return model.eval()
+
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Strict load by HF name: a missing or unexpected tensor, or a wrong shape, is a ValueError."""
         own = dict(self.named_parameters())

@@ -1,32 +1,104 @@
-"""Token sampling: greedy, or temperature / top-k / top-p with one torch.Generator per sequence.
+"""Token sampling as batched torch ops on the logits' device; only the sampled ids (and any requested
+log-probabilities) are copied back.
 
-Each sequence draws from its own generator (seeded by SamplingParams.seed, else from the
-sampler's seed stream), one draw per token, so a seeded request gives the same tokens alone
-or in any batch.
+Order per row: logit_bias, penalties (repetition over prompt + output, presence and frequency over
+output), then greedy rows take the argmax; the others are divided by their temperature, softmaxed,
+filtered by top-k, top-p and min-p, and sampled by the exponential race argmax(p / q),
+q ~ Exp(1). Each sequence draws q from its own torch.Generator (seeded by SamplingParams.seed, else
+from the sampler's seed stream), one draw per token, and every op is row-wise, so a seeded request
+gives the same tokens alone or in any batch.
 """
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 
 import torch
 
-from .sequence import SamplingParams, Sequence
+from .sequence import Sequence
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities [V] after temperature, top-k and top-p (nucleus) filtering, in float32."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_k and params.top_k < probs.numel():
-        kth = torch.topk(probs, params.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_p, dim=0)
-        # keep the smallest head of the sorted list whose mass reaches top_p (always >= 1 token)
-        drop = (cum - sorted_p) >= params.top_p * cum[-1]
-        sorted_p[drop] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return probs / probs.sum()
+@dataclass(slots=True)
+class TokenLogprob:
+    """The chosen token's log-probability under the model (before sampling filters) and the top ones."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+
+
+@dataclass
+class SamplerOutput:
+    tokens: dict[int, int] = field(default_factory=dict)             # seq_id -> sampled token
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # seq_id -> (for requests asking)
+
+
+def _column(values, device, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    rows, cols, vals = [], [], []
+    for i, s in enumerate(seqs):
+        for tid, v in (s.params.logit_bias or {}).items():
+            rows.append(i), cols.append(tid), vals.append(float(v))
+    if not rows:
+        return logits
+    dev = logits.device
+    return logits.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                            torch.tensor(vals, device=dev), accumulate=True)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[N, V] occurrence counts of each row's tokens."""
+    width = max(1, max(len(t) for t in token_lists))
+    ids = torch.full((len(token_lists), width), vocab, dtype=torch.int64)
+    for i, t in enumerate(token_lists):
+        ids[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """vLLM's penalties: repetition (divide positive, multiply negative logits of tokens seen in the
+    prompt or output), then frequency (times the output count) and presence (once if in the output)."""
+    if not any(s.params.has_penalties for s in seqs):
+        return logits
+    dev, V = logits.device, logits.shape[1]
+    out_counts = _token_counts([s.output_token_ids if s.params.has_penalties else [] for s in seqs], V, dev)
+    rep = _column([s.params.repetition_penalty for s in seqs], dev)
+    if bool((rep != 1).any()):
+        seen = (_token_counts([s.prompt_token_ids if s.params.repetition_penalty != 1 else [] for s in seqs],
+                              V, dev) + out_counts) > 0
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    freq = _column([s.params.frequency_penalty for s in seqs], dev)
+    pres = _column([s.params.presence_penalty for s in seqs], dev)
+    return logits - freq * out_counts - pres * (out_counts > 0).float()
+
+
+def filter_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Probabilities [N, V] after temperature, top-k, top-p (nucleus) and min-p, in float32."""
+    dev, V = logits.device, logits.shape[1]
+    params = [s.params for s in seqs]
+    temps = _column([p.temperature if p.temperature > 0 else 1.0 for p in params], dev)
+    probs = torch.softmax(logits / temps, dim=-1)
+    if all(p.top_k in (0, V) and p.top_p >= 1 and p.min_p <= 0 for p in params):
+        return probs
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    rank = torch.arange(V, device=dev).unsqueeze(0)
+    ks = _column([p.top_k if 0 < p.top_k < V else V for p in params], dev, torch.int64)
+    sorted_p = torch.where(rank < ks, sorted_p, torch.zeros_like(sorted_p))
+    top_p = _column([p.top_p for p in params], dev)
+    cum = torch.cumsum(sorted_p, dim=-1)
+    # keep the smallest head of the sorted list whose mass reaches top_p (always >= 1 token)
+    drop = (cum - sorted_p) >= top_p * cum[:, -1:]
+    min_p = _column([p.min_p for p in params], dev)
+    drop |= sorted_p < min_p * sorted_p[:, :1]
+    sorted_p = torch.where(drop, torch.zeros_like(sorted_p), sorted_p)
+    probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 class Sampler:
@@ -34,10 +106,10 @@ class Sampler:
         self._seeds = random.Random(seed)  # seeds for requests that bring none
         self._generators: dict[int, torch.Generator] = {}
 
-    def generator(self, seq: Sequence) -> torch.Generator:
+    def generator(self, seq: Sequence, device) -> torch.Generator:
         g = self._generators.get(seq.seq_id)
         if g is None:
-            g = torch.Generator(device="cpu")
+            g = torch.Generator(device=device)
             g.manual_seed(seq.params.seed if seq.params.seed is not None else self._seeds.getrandbits(63))
             self._generators[seq.seq_id] = g
         return g
@@ -45,14 +117,33 @@ class Sampler:
     def release(self, seq: Sequence) -> None:
         self._generators.pop(seq.seq_id, None)
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
-        """logits [N, V] (row i for seqs[i]) -> {seq_id: token}."""
-        out = {}
-        logits = logits.float().cpu()
-        for seq, row in zip(seqs, logits):
-            if seq.params.greedy:
-                out[seq.seq_id] = int(torch.argmax(row))  # first index among ties
-            else:
-                probs = filter_logits(row, seq.params)
-                out[seq.seq_id] = int(torch.multinomial(probs, 1, generator=self.generator(seq)))
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
+        """logits [N, V] (row i for seqs[i]) -> the sampled token of every sequence, and log-probs of
+        those whose request asks for them."""
+        if not seqs:
+            return SamplerOutput()
+        raw = logits.float()
+        x = apply_penalties(apply_logit_bias(raw, seqs), seqs)
+        greedy = [s.params.greedy for s in seqs]
+        tokens = torch.argmax(x, dim=-1)  # first index among ties
+        if not all(greedy):
+            rows = [i for i, g in enumerate(greedy) if not g]
+            sub = [seqs[i] for i in rows]
+            probs = filter_probs(x[rows], sub)
+            q = torch.empty_like(probs)
+            for j, seq in enumerate(sub):
+                q[j].exponential_(generator=self.generator(seq, probs.device))
+            drawn = torch.argmax(probs / q, dim=-1)
+            tokens[torch.tensor(rows, device=tokens.device)] = drawn
+        ids = tokens.tolist()
+        out = SamplerOutput({s.seq_id: t for s, t in zip(seqs, ids)})
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(raw[want], dim=-1)
+            chosen = lp.gather(1, tokens[want].unsqueeze(1)).squeeze(1).tolist()
+            k = max(seqs[i].params.logprobs for i in want)
+            top_v, top_i = (t.tolist() for t in torch.topk(lp, k, dim=-1)) if k else ([[]] * len(want),) * 2
+            for j, i in enumerate(want):
+                kk = seqs[i].params.logprobs
+                out.logprobs[seqs[i].seq_id] = TokenLogprob(ids[i], chosen[j], list(zip(top_i[j][:kk], top_v[j][:kk])))
         return out

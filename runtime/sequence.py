@@ -13,49 +13,92 @@ class SequenceStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
+MAX_LOGPROBS = 20
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass
 class SamplingParams:
-    """Per-request sampling knobs (vLLM's names). top_k = 0 and top_p = 1 mean "off"."""
+    """Per-request sampling knobs (vLLM's names). top_k = 0, top_p = 1, min_p = 0 and the neutral
+    penalties (0, 0, 1) mean "off". logprobs = k returns the chosen token's log-probability and the
+    k most likely (None: none); logit_bias maps token id -> value added to its logit."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: int = 16
     seed: int | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = 1
     ignore_eos: bool = False
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
+        def number_in(name, lo, hi, lo_open=False, hi_text=None):
+            v = getattr(self, name)
+            ok = _is_number(v) and (lo < v if lo_open else lo <= v) and v <= hi
+            if not ok:
+                lo_text = f"({lo}" if lo_open else f"[{lo}"
+                raise ValueError(f"{name} must be a number in {lo_text}, {hi_text or hi}], got {v!r}")
 
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
+        number_in("temperature", 0, float("inf"), hi_text="inf")
+        number_in("top_p", 0, 1, lo_open=True)
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
+        number_in("min_p", 0, 1)
+        number_in("presence_penalty", -2, 2)
+        number_in("frequency_penalty", -2, 2)
+        number_in("repetition_penalty", 0, 100, lo_open=True)
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be an int in [-2**63, 2**63 - 1] or None, got {self.seed!r}")
         if isinstance(self.stop, str):  # a lone string is the common mistake: accept it as one stop string
             self.stop = [self.stop]
         if self.stop is not None and (not isinstance(self.stop, (list, tuple))
                                       or not all(isinstance(s, str) and s for s in self.stop)):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if self.stop_token_ids is not None and (not isinstance(self.stop_token_ids, (list, tuple))
-                                                or not all(is_int(t) and t >= 0 for t in self.stop_token_ids)):
+                                                or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)):
             raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
-        if not is_int(self.n) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100
+                    for k, v in self.logit_bias.items()):
+                raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], "
+                                 f"got {self.logit_bias!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """logit_bias may only name token ids in [0, vocab_size)."""
+        bad = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(slots=True, eq=False)

@@ -1,8 +1,11 @@
 """Tokenizers: a GGUF's vocab (llama.cpp's SentencePiece-style `llama` model, or its byte-level BPE `gpt2`
 model built with the `tokenizers` library) and HF tokenizer.json.
 
-Both expose encode(text) -> ids (with BOS when the model wants it), decode(ids) -> str
-(special tokens skipped) and decode_continuation(context, new) for output text.
+All expose encode(text) -> ids (with BOS when the model wants it), decode(ids) -> str
+(special tokens skipped), decode_continuation(context, new) for output text, token_text(id) for
+log-prob listings, and the model's chat template (a Jinja string) when it ships one.
+IncrementalDecoder turns a growing list of output ids into text pieces that never split a UTF-8
+character.
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ class Tokenizer:
     eos_token_ids: tuple[int, ...] = ()
     add_bos: bool = True
     vocab_size: int = 0
+    chat_template: str | None = None
+    bos_token: str = ""   # the special tokens' text, for chat templates
+    eos_token: str = ""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
@@ -30,10 +36,40 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError
 
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
     def decode_continuation(self, context: list[int], new: list[int]) -> str:
         """Text that `new` adds after `context` (keeps the word-leading spaces a bare decode drops)."""
-        ctx = list(context[-8:])  # a few tokens of context are enough to settle leading spaces
+        ctx = list(context[-CONTEXT_TOKENS:])
         return self.decode(ctx + list(new))[len(self.decode(ctx)):]
+
+
+CONTEXT_TOKENS = 8  # a few tokens of context are enough to settle leading spaces
+
+
+class IncrementalDecoder:
+    """Output text piece by piece: decodes a short window of ids (the previous piece's tokens plus the
+    new ones) and emits what it adds, holding back text that ends in an incomplete UTF-8 character
+    (U+FFFD) until the bytes that complete it arrive. The pieces concatenate to decode_continuation."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tok = tokenizer
+        self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.prefix = 0                # window start
+        self.read = len(self.ids)      # ids before this are emitted
+        self.text = ""                 # everything emitted so far
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        now = self.tok.decode(self.ids[self.prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        piece = now[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += piece
+        return piece
 
 
 class SPMTokenizer(Tokenizer):
@@ -138,6 +174,9 @@ class SPMTokenizer(Tokenizer):
         # SentencePiece drops the space it prefixed on encode
         return text[1:] if self.add_space_prefix and text.startswith(" ") else text
 
+    def token_text(self, token_id: int) -> str:
+        return self._piece(int(token_id)).decode("utf-8", errors="replace")
+
 
 class HFTokenizer(Tokenizer):
     """A `tokenizers` Tokenizer (tokenizer.json, or a GGUF BPE vocab); its post-processor adds BOS when the
@@ -167,6 +206,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode([int(t) for t in ids], skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tok.decode([int(token_id)], skip_special_tokens=False)
 
 
 @dataclass(frozen=True)
@@ -261,7 +303,7 @@ def bpe_from_gguf_fields(fields: dict) -> HFTokenizer:
             single=template("$A"), pair=f"{template('$A')} {template('$B:1')}", special_tokens=list(specials.items()))
     eos_ids = tuple(dict.fromkeys(i for i in (eos, _gguf_token_id(fields, "tokenizer.ggml.eot_token_id"))
                                   if i is not None))
-    return HFTokenizer(tok, eos_ids, bos)
+    return _with_gguf_chat_fields(HFTokenizer(tok, eos_ids, bos), fields)
 
 
 def spm_from_gguf_fields(fields: dict) -> SPMTokenizer:
@@ -274,7 +316,7 @@ def spm_from_gguf_fields(fields: dict) -> SPMTokenizer:
         return _gguf_token_id(fields, key)
 
     tokens = fields["tokenizer.ggml.tokens"]
-    return SPMTokenizer(
+    tok = SPMTokenizer(
         tokens, fields.get("tokenizer.ggml.scores", [0.0] * len(tokens)),
         fields.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)),
         bos_token_id=tid("tokenizer.ggml.bos_token_id"), eos_token_id=tid("tokenizer.ggml.eos_token_id"),
@@ -282,6 +324,19 @@ def spm_from_gguf_fields(fields: dict) -> SPMTokenizer:
         add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", True)),
         add_eos=bool(fields.get("tokenizer.ggml.add_eos_token", False)),
         add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", True)))
+    return _with_gguf_chat_fields(tok, fields)
+
+
+def _with_gguf_chat_fields(tok: Tokenizer, fields: dict) -> Tokenizer:
+    """The chat template and the BOS/EOS text a GGUF's metadata gives the tokenizer."""
+    tokens = fields["tokenizer.ggml.tokens"]
+    template = fields.get("tokenizer.chat_template")
+    tok.chat_template = template if isinstance(template, str) and template else None
+    if tok.bos_token_id is not None:
+        tok.bos_token = tokens[tok.bos_token_id]
+    if tok.eos_token_ids:
+        tok.eos_token = tokens[tok.eos_token_ids[0]]
+    return tok
 
 
 def hf_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...], bos_token_id: int | None) -> HFTokenizer | None:
@@ -298,4 +353,20 @@ def hf_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...], bos_token_id: 
         eos_id = tok.tok.token_to_id(eos) if isinstance(eos, str) else None
         if eos_id is not None and eos_id not in tok.eos_token_ids:
             tok.eos_token_ids = tok.eos_token_ids + (eos_id,)
+        tok.chat_template = _hf_chat_template(cfg.get("chat_template"))
+        bos = cfg.get("bos_token")
+        bos = bos.get("content") if isinstance(bos, dict) else bos
+        tok.bos_token, tok.eos_token = bos if isinstance(bos, str) else "", eos if isinstance(eos, str) else ""
+    if tok.chat_template is None and (model_dir / "chat_template.jinja").exists():
+        tok.chat_template = (model_dir / "chat_template.jinja").read_text()
     return tok
+
+
+def _hf_chat_template(value) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {name, template} (the "default" one)."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return None

@@ -9,8 +9,8 @@ import pytest
 
 from uacompile import testing
 from uacompile.binding import NUMPY, TORCH, TORCH_CPU, Binder, host_binder
-from uacompile.ir import (DTYPES, CopyBlocks, Kernel, MergeState, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks,
-                          TensorSpec, numpy_dtype, size)
+from uacompile.ir import (CopyBlocks, Kernel, MergeState, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks,
+                          TensorSpec, numpy_dtype, size, torch_dtype)
 from uacompile.lower.config import TVMConfig
 
 CASES = {
@@ -39,7 +39,7 @@ def complete(op, inputs: dict) -> dict:
 
 def to_torch(x: np.ndarray, dtype: str):
     torch = pytest.importorskip("torch")
-    want = getattr(torch, DTYPES[dtype][2])
+    want = torch_dtype(dtype)
     if dtype in ("bf16", "fp8_e4m3"):  # torch.from_numpy knows neither: go through the raw bytes
         return torch.from_numpy(x.view(f"u{x.itemsize}")).view(want)
     return torch.from_numpy(x)
@@ -76,7 +76,7 @@ def _numpy(shape, dtype):
 
 def _torch(shape, dtype):
     torch = pytest.importorskip("torch")
-    return torch.zeros(shape, dtype=getattr(torch, DTYPES[dtype][2]))
+    return torch.zeros(shape, dtype=torch_dtype(dtype))
 
 
 # (make a tensor, binder, how the flavour names fp32 and fp16, what it expects)

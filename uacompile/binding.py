@@ -21,7 +21,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from .ir import DTYPES, OpSpec, numpy_dtype
+from .ir import OpSpec, numpy_dtype, torch_dtype
 
 # the kernels read these as raw bytes and decode them, so the bytes may also come as uint8
 RAW_BYTE_DTYPES = ("fp8_e4m3",)
@@ -84,9 +84,9 @@ class TorchTensors(ArrayType):
         return isinstance(x, torch.Tensor)
 
     def dtypes(self, dtype: str) -> tuple:
-        import torch  # the names of ir.DTYPES' numpy dtypes are torch's names too
+        import torch
 
-        return (getattr(torch, DTYPES[dtype][2]),) + ((torch.uint8,) if dtype in RAW_BYTE_DTYPES else ())
+        return (torch_dtype(dtype),) + ((torch.uint8,) if dtype in RAW_BYTE_DTYPES else ())
 
     def accessors(self) -> tuple:
         import torch

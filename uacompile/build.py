@@ -180,7 +180,8 @@ def tvm_cpu_artifact(op: OpSpec, out_dir: Path) -> dict:
 
 def tvm_cuda_artifact(op: OpSpec, out_dir: Path, arch: str = "sm_90") -> dict:
     """TVM -> CUDA source + extern "C" launcher, compiled by nvcc when nvcc is on PATH."""
-    from .lower.tvm_cuda import NvccNotFound, build_cuda_library, cuda_source
+    from .lower.tvm_cuda import build_cuda_library, cuda_source
+    from .nvcc import NvccNotFound
 
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -196,7 +197,8 @@ def jinja_cuda_artifact(op: OpSpec, out_dir: Path, arch: str = "sm_90") -> dict:
     """Jinja template -> CUDA source + launcher, nvcc-built (through the cache) when nvcc exists."""
     import shutil
 
-    from .targets.cuda.build import BuildError, build, nvcc_path
+    from .nvcc import NvccNotFound, nvcc_path
+    from .targets.cuda.build import build
     from .targets.cuda.render import render_op
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -204,7 +206,7 @@ def jinja_cuda_artifact(op: OpSpec, out_dir: Path, arch: str = "sm_90") -> dict:
     src.write_text(render_op(op, arch))  # IRError for a variant the templates do not cover
     try:
         nvcc_path()
-    except BuildError as e:
+    except NvccNotFound as e:
         return {"source": src, "library": None, "reason": str(e), "arch": arch}
     res = build(op, arch)
     lib = out_dir / f"{op.symbol()}_{arch}.so"

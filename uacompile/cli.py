@@ -1,4 +1,5 @@
-"""`uacompile` command line: build kernel sets, generate one kernel's source, show op docs."""
+"""`uacompile` command line: build kernel sets, generate one kernel's source, show op docs, serve a
+model over an OpenAI-compatible API, benchmark a server."""
 from __future__ import annotations
 
 import argparse
@@ -85,6 +86,57 @@ def cmd_ops(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .runtime.server import serve
+
+    kw = {k: v for k, v in vars(args).items() if k not in ("func", "command") and v is not None}
+    serve(**kw)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from .bench_serve import main as bench_main
+
+    return bench_main(args)
+
+
+def _add_serve(sub) -> None:
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    s.add_argument("--model", required=True, help="a .gguf file or a Hugging Face directory")
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    s.add_argument("--host", default="127.0.0.1", help="default: loopback only")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/* and /completion")
+    s.add_argument("--served-model-name", default=None, help="default: the model file's stem")
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--page-size", type=int, default=None)
+    s.add_argument("--num-pages", type=int, default=None)
+    s.add_argument("--policy", default=None, help="fcfs | sjf | priority | prefix")
+    s.add_argument("--preemption", default=None, help="recompute | swap")
+    s.add_argument("--kernel-backend", default=None, help="auto | tvm-cpu | cuda | reference")
+    s.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    s.add_argument("--cpu-threads", type=int, default=None)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="requests accepted beyond --max-num-seqs before answering 503")
+    s.add_argument("--trace", default=None, metavar="FILE",
+                   help="write a Chrome-trace JSON of steps, kernel calls and KV events (the first 500k) at shutdown")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=cmd_serve)
+
+
+def _add_bench(sub) -> None:
+    from .bench_serve import add_arguments
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
+    s = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (like `vllm bench serve`)")
+    add_arguments(s)
+    s.set_defaults(func=cmd_bench_serve)
+
+
 def make_parser() -> argparse.ArgumentParser:
     from .build import PRESETS, TARGETS
     from .ir import OPS
@@ -110,6 +162,8 @@ def make_parser() -> argparse.ArgumentParser:
     o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     o.add_argument("--markdown", action="store_true", help="print docs/OPS.md")
     o.set_defaults(func=cmd_ops)
+    _add_serve(sub)
+    _add_bench(sub)
     return p
 
 
@@ -118,7 +172,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (IRError, ValueError, TypeError) as e:
+    except (IRError, ValueError, TypeError, FileNotFoundError) as e:
         print(f"uacompile: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -15,16 +15,46 @@ from typing import ClassVar, Union
 
 from .errors import IRError
 
-# name -> (bytes per element, C type used by launchers, numpy/ml_dtypes name)
-DTYPES = {
-    "fp32": (4, "float", "float32"),
-    "fp16": (2, "half", "float16"),
-    "bf16": (2, "bf16", "bfloat16"),
-    "int8": (1, "int8_t", "int8"),
-    "fp8_e4m3": (1, "uint8_t", "float8_e4m3fn"),
-    "int32": (4, "int32_t", "int32"),
-    "int64": (8, "int64_t", "int64"),
-}
+
+@dataclass(frozen=True)
+class DType:
+    """One IR dtype and its name in each language and library that carries it.
+
+    fp8 travels as raw bytes where a toolchain has no (correct) fp8 type: C launchers and
+    kernels take uint8_t, TIR stores uint8 (TVM's LLVM fp8 legalisation gets subnormals wrong,
+    and numpy cannot hand fp8 over DLPack) and decodes it by hand."""
+
+    name: str  # the IR's name: "bf16"
+    itemsize: int  # bytes per element
+    c: str  # C type of the CUDA launchers and templates (templates/cuda/common.cuh typedefs bf16)
+    ascendc: str  # AscendC type; "" where the AscendC target has none
+    tir: str  # TVM TIR storage dtype
+    numpy: str  # numpy name (bfloat16 and float8_e4m3fn from ml_dtypes)
+    torch: str  # torch attribute name, resolved only when asked, so this module never imports torch
+
+    def numpy_dtype(self):
+        import ml_dtypes  # registers bfloat16 / float8 with numpy
+        import numpy as np
+
+        return np.dtype(getattr(ml_dtypes, self.numpy, self.numpy))
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.torch)
+
+
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    # name, bytes, C, AscendC, TIR, numpy, torch
+    DType("fp32",     4, "float",   "float",      "float32",  "float32",       "float32"),
+    DType("fp16",     2, "half",    "half",       "float16",  "float16",       "float16"),
+    DType("bf16",     2, "bf16",    "bfloat16_t", "bfloat16", "bfloat16",      "bfloat16"),
+    DType("int8",     1, "int8_t",  "int8_t",     "int8",     "int8",          "int8"),
+    DType("fp8_e4m3", 1, "uint8_t", "",           "uint8",    "float8_e4m3fn", "float8_e4m3fn"),
+    DType("int32",    4, "int32_t", "int32_t",    "int32",    "int32",         "int32"),
+    DType("int64",    8, "int64_t", "int64_t",    "int64",    "int64",         "int64"),
+)}
+_BY_TORCH = {d.torch: d.name for d in DTYPES.values()}
 FLOAT_DTYPES = ("fp32", "fp16", "bf16")
 KV_DTYPES = ("fp32", "fp16", "bf16", "int8", "fp8_e4m3")
 QUANT_DTYPES = ("int8", "fp8_e4m3")
@@ -35,15 +65,20 @@ Dim = Union[int, str]
 
 
 def itemsize(dtype: str) -> int:
-    return DTYPES[dtype][0]
+    return DTYPES[dtype].itemsize
 
 
 def numpy_dtype(dtype: str):
-    import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 with numpy)
-    import numpy as np
+    return DTYPES[dtype].numpy_dtype()
 
-    name = DTYPES[dtype][2]
-    return np.dtype(getattr(ml_dtypes, name)) if name in ("bfloat16", "float8_e4m3fn") else np.dtype(name)
+
+def torch_dtype(dtype: str):
+    return DTYPES[dtype].torch_dtype()
+
+
+def from_torch(dtype) -> str | None:
+    """The IR dtype of a torch dtype (read by its name: torch is not imported here), or None."""
+    return _BY_TORCH.get(str(dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)
@@ -502,8 +537,8 @@ def describe(op: OpSpec | Kernel) -> str:
 
 
 __all__ = [
-    "DTYPES", "FLOAT_DTYPES", "KV_DTYPES", "QUANT_DTYPES", "QMAX", "TensorSpec", "OpSpec", "Kernel", "as_kernel",
-    "check_splits",
+    "DType", "DTYPES", "FLOAT_DTYPES", "KV_DTYPES", "QUANT_DTYPES", "QMAX", "TensorSpec", "OpSpec", "Kernel",
+    "as_kernel", "check_splits",
     "PagedAttention", "ReshapeAndCache", "CopyBlocks", "SwapBlocks", "MergeState", "OPS",
-    "op_from_dict", "c_signature", "cffi_cdef", "describe", "itemsize", "numpy_dtype",
+    "op_from_dict", "c_signature", "cffi_cdef", "describe", "itemsize", "numpy_dtype", "torch_dtype", "from_torch",
 ]

@@ -19,7 +19,6 @@ from .ir import OpSpec, TensorSpec
 @dataclass
 class Program:
     graph: nx.DiGraph = field(default_factory=nx.DiGraph)
-    hints: dict = field(default_factory=dict)  # e.g. {"max_kv_len": 32768, "num_sms": 132}
     _count: int = 0
     _latest: dict = field(default_factory=dict)  # tensor name -> its newest version node
     _previous: dict = field(default_factory=dict)  # version node -> the node it updated

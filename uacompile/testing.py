@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from . import reference
-from .ir import CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, numpy_dtype
+from .ir import QUANT_DTYPES, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, numpy_dtype
 
 
 def random_floats(rng, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
@@ -21,7 +21,7 @@ def random_floats(rng, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
 
 def random_cache(rng, shape, kv_dtype: str, scale: float = 1.0):
     """A KV cache full of data (never zeros) and, when quantised, its scales."""
-    if kv_dtype in ("int8", "fp8_e4m3"):
+    if kv_dtype in QUANT_DTYPES:
         return reference.quantize(rng.standard_normal(shape).astype(np.float32) * scale, kv_dtype)
     return random_floats(rng, shape, kv_dtype, scale), None
 

@@ -6,6 +6,8 @@ unit: kernel + launcher), loaded once and run on many shapes.
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import subprocess
@@ -15,11 +17,15 @@ from uacompile.cache import cached_build, content_hash, toolchain_versions
 from uacompile.errors import IRError
 from uacompile.ir import OpSpec
 
-from .generate import DEFAULT_SOC, EMULATOR_DIR, STATUS, generate
+from .generate import DEFAULT_SOC, EMULATOR_DIR, STATUS, KernelSources, generate
+from .runner import EmulatedKernel
+from .verify import verify
 
 CXX = os.environ.get("CXX", "g++")
 STD = ["-std=c++17"]
 EMU_BUILD_FLAGS = ["-O1", "-fPIC", "-shared", "-pthread", "-DUA_EMULATOR"]
+# the launcher's CANN CPU-debug branch (ICPU_RUN_KF over GmAlloc copies), run on the emulator
+MODES = {"npu": [], "cpu": ["-DASCENDC_CPU_DEBUG"]}
 CHECK_FLAGS = ["-fsyntax-only", "-Wall", "-Werror"]
 
 
@@ -55,21 +61,35 @@ def syntax_check(src_dir: Path, files: list[str]) -> list[str]:
     return [" ".join(c) for c in cmds]
 
 
-def emulator_library(op: OpSpec, soc: str = DEFAULT_SOC) -> Path:
-    """The emulator build of op's kernel + launcher (cached); path of the .so."""
+def emulator_library(op: OpSpec, soc: str = DEFAULT_SOC, mode: str = "npu") -> Path:
+    """The emulator build of op's kernel + launcher (cached); path of the .so. mode "npu"
+    builds the launcher's NPU branch (blocks as threads, tiling through device slots),
+    "cpu" its CANN CPU-debug branch (ICPU_RUN_KF: a process per block over GmAlloc copies)."""
+    if mode not in MODES:
+        raise ValueError(f"mode: must be one of {sorted(MODES)}, got {mode!r}")
     src = generate(op, soc)
     key = content_hash("ascend-emu", op.to_dict(), soc, sorted(src.files.items()), _emulator_text(),
-                       toolchain_versions(CXX), STD + EMU_BUILD_FLAGS)
+                       toolchain_versions(CXX), STD + EMU_BUILD_FLAGS + MODES[mode])
+    folder, _ = cached_build("ascend-emu", key, lambda tmp: build_emulator(src, tmp, mode))
+    return folder / f"lib{src.symbol}.so"
+
+
+def build_emulator(src: KernelSources, folder, mode: str = "npu") -> Path:
+    """Write src into folder and g++-build its kernel + launcher against the emulator (one
+    translation unit, uncached); path of the .so. emulator_library is the cached form."""
+    folder = Path(folder)
+    src.write(folder)
+    units = ([f"{src.symbol}_kernel.cpp"] if src.kernel else []) + [f"{src.symbol}_host.cpp"]
+    (folder / "unity.cpp").write_text("".join(f'#include "{u}"\n' for u in units))
     lib = f"lib{src.symbol}.so"
-
-    def build(tmp: Path) -> None:
-        src.write(tmp)
-        units = ([f"{src.symbol}_kernel.cpp"] if src.kernel else []) + [f"{src.symbol}_host.cpp"]
-        (tmp / "unity.cpp").write_text("".join(f'#include "{u}"\n' for u in units))
-        _run([CXX, *STD, *EMU_BUILD_FLAGS, *_includes(tmp), "unity.cpp", "-o", lib], cwd=tmp)
-
-    folder, _ = cached_build("ascend-emu", key, build)
+    _run([CXX, *STD, *EMU_BUILD_FLAGS, *MODES[mode], *_includes(folder), "unity.cpp", "-o", lib], cwd=folder)
     return folder / lib
+
+
+@functools.lru_cache(maxsize=None)
+def load(op: OpSpec, soc: str | None = None, mode: str = "npu") -> EmulatedKernel:
+    """Build (cached) and load the emulator library of op (mode as in emulator_library)."""
+    return EmulatedKernel(op, emulator_library(op, soc or DEFAULT_SOC, mode))
 
 
 def build_and_verify(op: OpSpec, out_dir, soc: str = DEFAULT_SOC, seed: int = 0) -> dict:
@@ -85,8 +105,6 @@ def build_and_verify(op: OpSpec, out_dir, soc: str = DEFAULT_SOC, seed: int = 0)
     "emulator" means: generated and run on the clean-room CPU emulator against the
     reference; never run on NPU hardware.
     """
-    from .verify import verify
-
     out = Path(out_dir)
     entry = {"target": "ascend", "op": op.to_dict(), "symbol": op.symbol(), "kernel": None, "source": [],
              "library": None, "cmake": None, "status": STATUS, "checks": [], "plan": None}
@@ -102,14 +120,12 @@ def build_and_verify(op: OpSpec, out_dir, soc: str = DEFAULT_SOC, seed: int = 0)
         syntax_check(out, [p.name for p in paths if p.suffix == ".cpp"])
         lib = emulator_library(op, soc)
         entry["library"] = str(lib)
-        entry["checks"] = verify(op, lib, seed=seed)
+        entry["checks"] = verify(EmulatedKernel(op, lib), seed=seed)
         failed = [c for c in entry["checks"] if not c["ok"]]
         entry["verified"] = "emulator" if not failed else f"no: {len(failed)} case(s) differ from the reference"
     except (BuildError, RuntimeError, ValueError) as e:
         entry["verified"] = f"no: {str(e).splitlines()[0][:300]}"
     meta = dict(src.meta, verified=entry["verified"], checks=entry["checks"])
-    import json
-
     (out / f"{src.symbol}.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     emu = out / "emulator"
     if not emu.exists():  # the headers the emulator build used, beside the sources

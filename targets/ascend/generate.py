@@ -1,9 +1,10 @@
 """AscendC code generation: plan (tiling, UB budget, blockDim) and render the templates.
 
 The plan is the one place for every size the kernel is built with: the templates take
-their InitBuffer sizes, tile lengths and the blockDim cap from it, and the generator
-checks it against the 910B limits (192 KB UB per vector core, 32 B alignment, 40/48
-vector cores) before any source is written. What is verified: the generated kernels run
+their InitBuffer sizes, tile lengths and the blockDim cap from it, and Plan.check holds it
+to the limits the emulator enforces (see README.md for the documentation of each): the UB
+less an 8 KB scratch reserve, 8 queue buffers per TPosition, 64 buffers per kernel, 32 B
+alignment, 40/48 vector cores. It runs before any source is written. What is verified: the generated kernels run
 on this project's clean-room CPU emulator against the numpy reference; they have not
 run on NPU hardware (see HARDWARE_VALIDATION.md).
 """
@@ -16,17 +17,22 @@ from pathlib import Path
 import jinja2
 
 from uacompile.errors import IRError
-from uacompile.ir import (CopyBlocks, Kernel, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks, as_kernel, c_signature,
-                          itemsize)
+from uacompile.ir import (DTYPES, CopyBlocks, Kernel, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks, as_kernel,
+                          c_signature, itemsize)
 
 UB_BYTES = 196_608  # Unified Buffer per vector core, 910B
+UB_SCRATCH_RESERVE = 8192  # UB left free for API scratch space (emulator: kUbScratchReserve)
+UB_BUDGET = UB_BYTES - UB_SCRATCH_RESERVE  # what a kernel's InitBuffer calls may take
+MAX_QUEUE_BUFFERS_PER_POSITION = 8  # A2 has 8 event IDs; each freed TQue buffer holds one (TQue docs)
+MAX_BUFFERS_PER_KERNEL = 64  # every InitBuffer'd buffer of a kernel (TPipe::InitBuffer docs)
+MEMCPY_ALIGN = 64  # aclrtMemcpyAsync source / destination alignment (CANN 8.0)
 ALIGN = 32  # DataCopy / UB alignment unit
 HBM_BYTES_PER_S = 1.6e12  # 910B HBM, +-20% (roofline estimates only)
-# vector (AIV) and cube (AIC) core counts of the 910B family
-SOCS = {"Ascend910B1": (48, 24), "Ascend910B2": (48, 24), "Ascend910B3": (40, 20), "Ascend910B4": (40, 20)}
+# vector (AIV) and cube (AIC) core counts of the 910B family, by CANN's SOC_VERSION name
+SOCS = {"Ascend910B1": (48, 24), "Ascend910B2": (48, 24), "Ascend910B2C": (48, 24), "Ascend910B3": (40, 20),
+        "Ascend910B4": (40, 20), "Ascend910B4-1": (40, 20)}
 DEFAULT_SOC = "Ascend910B1"
-CTYPES = {"fp32": "float", "fp16": "half", "bf16": "bfloat16_t", "int8": "int8_t", "int32": "int32_t",
-          "int64": "int64_t"}
+QUEUE_POSITIONS = ("VECIN", "VECOUT")  # TQue positions; TBufs (VECCALC) hold no event IDs
 STATUS = "generated and emulator-checked (clean-room CPU emulation of AscendC); not run on NPU hardware"
 COPY_CHUNK_BYTES = 32 * 1024  # per buffer of the GM -> UB -> GM copy queue (x2: double buffered)
 
@@ -45,11 +51,13 @@ def _template_dir() -> Path:
 
 @dataclass(frozen=True)
 class Buffer:
-    """One InitBuffer call: `num` buffers of `bytes` each (already rounded to 32 B)."""
+    """One InitBuffer call: `num` buffers of `bytes` each (already rounded to 32 B) at a
+    TPosition (VECIN / VECOUT for queues, counted on a TQueBind's source; VECCALC for a TBuf)."""
 
     name: str
     num: int
     bytes: int
+    position: str = "VECCALC"
 
     @property
     def total(self) -> int:
@@ -68,16 +76,37 @@ class Plan:
     def ub_bytes(self) -> int:
         return sum(b.total for b in self.buffers.values())
 
-    def add(self, name: str, bytes_: int, num: int = 1) -> None:
-        self.buffers[name] = Buffer(name, num, _round(bytes_))
+    def add(self, name: str, bytes_: int, num: int = 1, position: str = "VECCALC") -> None:
+        self.buffers[name] = Buffer(name, num, _round(bytes_), position)
+
+    def queue_buffers(self) -> dict[str, int]:
+        """Queue buffers per TPosition."""
+        out = {pos: 0 for pos in QUEUE_POSITIONS}
+        for b in self.buffers.values():
+            if b.position in out:
+                out[b.position] += b.num
+        return out
 
     def check(self) -> "Plan":
+        """The limits the emulator enforces, each with an IRError naming it."""
         kind = self.op.kind
-        if self.ub_bytes > UB_BYTES:
-            raise IRError(f"{kind}.head_dim", f"the AscendC kernel needs {self.ub_bytes} B of UB per core, over the "
-                                              f"{UB_BYTES} B of the 910B")
+        if self.ub_bytes > UB_BUDGET:
+            raise IRError(f"{kind}.head_dim", f"UB budget: the AscendC kernel needs {self.ub_bytes} B of UB per core, over "
+                                              f"the {UB_BUDGET} B a kernel may take ({UB_BYTES} B on the 910B less "
+                                              f"{UB_SCRATCH_RESERVE} B scratch reserve)")
+        for pos, n in self.queue_buffers().items():
+            if n > MAX_QUEUE_BUFFERS_PER_POSITION:
+                names = ", ".join(f"{b.name} {b.num}" for b in self.buffers.values() if b.position == pos)
+                raise IRError(f"{kind}.plan", f"buffers per position: {n} queue buffers on {pos} ({names}), over the "
+                                              f"{MAX_QUEUE_BUFFERS_PER_POSITION} event IDs a position has on A2")
+        total = sum(b.num for b in self.buffers.values())
+        if total > MAX_BUFFERS_PER_KERNEL:
+            raise IRError(f"{kind}.plan", f"buffers per kernel: {total} InitBuffer'd buffers, over the "
+                                          f"{MAX_BUFFERS_PER_KERNEL} a kernel may have")
         for b in self.buffers.values():
-            assert b.bytes % ALIGN == 0 and b.num >= 1, b
+            if b.bytes % ALIGN or b.num < 1 or b.position not in ("VECCALC", *QUEUE_POSITIONS):
+                raise IRError(f"{kind}.plan", f"buffer {b.name}: {b.num} x {b.bytes} B on {b.position} is not a whole "
+                                              f"number of 32 B blocks on a vector position")
         vec_cores = SOCS[self.soc][0]
         if not 1 <= self.max_block_dim <= vec_cores:
             raise IRError("soc", f"blockDim cap {self.max_block_dim} outside [1, {vec_cores}] for {self.soc}")
@@ -85,7 +114,8 @@ class Plan:
 
     def to_dict(self) -> dict:
         return {"soc": self.soc, "max_block_dim": self.max_block_dim, "ub_bytes": self.ub_bytes,
-                "ub_budget": UB_BYTES, "buffers": [asdict(b) for b in self.buffers.values()], "consts": self.consts}
+                "ub_budget": UB_BUDGET, "queue_buffers": self.queue_buffers(),
+                "buffers": [asdict(b) for b in self.buffers.values()], "consts": self.consts}
 
 
 def _round(n: int, to: int = ALIGN) -> int:
@@ -121,12 +151,11 @@ def _plan_attention(op: PagedAttention, soc: str) -> Plan:
             continue
         srow = _round(tile, 8)  # score row: tile floats, padded to 32 B
         p = Plan(op, soc, SOCS[soc][0])
-        p.add("q", G * D * sq)
-        p.add("k", tile * D * skv, 2)
-        p.add("v", tile * D * skv, 2)
+        p.add("q", G * D * sq, 1, "VECIN")
+        p.add("k", tile * D * skv, 2, "VECIN")
+        p.add("v", tile * D * skv, 2, "VECIN")
         if op.quantized:
-            p.add("k_scale", tile * ALIGN, 2)  # one scale per 32 B row (DataCopyPad)
-            p.add("v_scale", tile * ALIGN, 2)
+            p.add("scale", 2 * tile * ALIGN, 2, "VECIN")  # K then V scales, one per 32 B row (DataCopyPad)
             p.add("kv_half", tile * D * 2)  # int8 -> half -> float
         if op.kv_dtype != "fp32":
             p.add("kf", tile * D * 4)
@@ -143,12 +172,13 @@ def _plan_attention(op: PagedAttention, soc: str) -> Plan:
         if with_lse:
             p.add("lse_l", G * 4)
             p.add("lse_m", G * 4)
-            p.add("lse_out", G * 4, 2)
-        p.add("out", D * out_size, 2)
+            p.add("lse_out", G * 4, 2, "VECOUT")
+        p.add("out", D * out_size, 2, "VECOUT")
         p.consts = {"TILE": tile, "SROW": srow}
-        if p.ub_bytes <= UB_BYTES:
+        if p.ub_bytes <= UB_BUDGET:
             return p.check()
-    raise IRError(f"{k}.head_dim", f"no KV tile fits the {UB_BYTES} B UB (head_dim={D}, group={G})")
+    raise IRError(f"{k}.head_dim", f"UB budget: no KV tile fits the {UB_BUDGET} B a kernel may take of the UB "
+                                   f"(head_dim={D}, group={G})")
 
 
 def _plan_reshape(op: ReshapeAndCache, soc: str) -> Plan:
@@ -159,30 +189,39 @@ def _plan_reshape(op: ReshapeAndCache, soc: str) -> Plan:
     p = Plan(op, soc, SOCS[soc][0])
     row = op.num_kv_heads * op.head_dim
     if not op.quantized:
-        p.add("chunk", COPY_CHUNK_BYTES, 2)
+        p.add("chunk", COPY_CHUNK_BYTES, 2, "VECIN")
         p.consts = {"CHUNK": COPY_CHUNK_BYTES // itemsize(op.dtype)}
         return p.check()
     _require(op.head_dim % 8 == 0, f"{k}.head_dim", f"int8 KV needs head_dim % 8 == 0 (32 B float rows), got {op.head_dim}")
-    p.add("x_in", row * itemsize(op.dtype), 2)
+    p.add("x_in", row * itemsize(op.dtype), 2, "VECIN")
     p.add("xf", row * 4)
     p.add("den", row * 4)  # |x|, then the per-head scale broadcast, then int32 / half views
     p.add("red", op.num_kv_heads * ALIGN)
     p.add("work", op.head_dim * 4)
-    p.add("q_out", row, 2)
-    p.add("scale_out", op.num_kv_heads * 4, 2)
+    p.add("q_out", row, 2, "VECOUT")
+    p.add("scale_out", op.num_kv_heads * 4, 2, "VECOUT")
     p.consts = {"ROW": row}
     return p.check()
 
 
 def _plan_copy(op: CopyBlocks, soc: str) -> Plan:
     p = Plan(op, soc, SOCS[soc][0])
-    p.add("chunk", COPY_CHUNK_BYTES, 2)
+    p.add("chunk", COPY_CHUNK_BYTES, 2, "VECIN")
     p.consts = {"CHUNK_BYTES": COPY_CHUNK_BYTES}
     return p.check()
 
 
 def _plan_swap(op: SwapBlocks, soc: str) -> Plan:
-    return Plan(op, soc, 1)  # host-side copies only; no kernel
+    # host-side copies only (no kernel): every run starts on a page boundary, so pages must
+    # keep aclrtMemcpyAsync's 64 B alignment
+    page = op.page_size * op.num_kv_heads * op.head_dim * itemsize(op.kv_dtype)
+    _require(page % MEMCPY_ALIGN == 0, f"{op.kind}.head_dim",
+             f"a page of {page} B breaks aclrtMemcpyAsync's {MEMCPY_ALIGN} B alignment between pages")
+    if op.quantized:
+        scales = op.page_size * op.num_kv_heads * 4
+        _require(scales % MEMCPY_ALIGN == 0, f"{op.kind}.page_size",
+                 f"a page of {scales} B of scales breaks aclrtMemcpyAsync's {MEMCPY_ALIGN} B alignment between pages")
+    return Plan(op, soc, 1)
 
 
 PLANNERS = {"paged_attention": _plan_attention, "reshape_and_cache": _plan_reshape, "copy_blocks": _plan_copy,
@@ -193,12 +232,19 @@ def splits_of(kernel: Kernel) -> int:
     return kernel.signature().get("num_splits", 1)
 
 
+def soc_name(soc: str) -> str:
+    """CANN's SOC_VERSION spelling of a 910B part, given in any case (ascend910b2c -> Ascend910B2C)."""
+    names = {name.lower(): name for name in SOCS}
+    if soc.lower() not in names:
+        raise IRError("soc", f"must be one of {sorted(SOCS)} (any case), got {soc!r}")
+    return names[soc.lower()]
+
+
 def plan(op: OpSpec | Kernel, soc: str = DEFAULT_SOC) -> Plan:
     """The tiling / UB plan of a kernel (an op and its AscendConfig; an op alone: the default) for a 910B part;
     IRError when the target cannot build it."""
     op = as_kernel(op)
-    if soc not in SOCS:
-        raise IRError("soc", f"must be one of {sorted(SOCS)}, got {soc!r}")
+    soc = soc_name(soc)
     if op.kind not in PLANNERS:
         raise IRError("op", f"the AscendC target has no lowering for {op.kind}")
     return PLANNERS[op.kind](op, soc)
@@ -233,21 +279,21 @@ def _numel_expr(shape) -> str:
 
 
 def _context(op: OpSpec, p: Plan) -> dict:
-    tensors = [dict(name=t.name, ctype=CTYPES[t.dtype], numel=_numel_expr(t.shape), role=t.role)
+    tensors = [dict(name=t.name, ctype=DTYPES[t.dtype].ascendc, numel=_numel_expr(t.shape), role=t.role)
                for t in op.tensors()]
     ctx = dict(op=op, sym=op.symbol(), kernel=f"{op.symbol()}_kernel", plan=p, b=p.buffers, c=p.consts,
                tensors=tensors, sizes=[s.name for s in op.sizes()], status=STATUS,
-               signature=c_signature(op, stream_type="aclrtStream"), ctypes=CTYPES,
+               signature=c_signature(op, stream_type="aclrtStream"),
                op_json=json.dumps(op.to_dict(), sort_keys=True))
     if op.kind == "paged_attention":
-        ctx.update(q_t=CTYPES[op.q_dtype], kv_t=CTYPES[op.kv_dtype], num_splits=splits_of(op),
-                   out_t="float" if splits_of(op) > 1 else CTYPES[op.q_dtype],
+        ctx.update(q_t=DTYPES[op.q_dtype].ascendc, kv_t=DTYPES[op.kv_dtype].ascendc, num_splits=splits_of(op),
+                   out_t="float" if splits_of(op) > 1 else DTYPES[op.q_dtype].ascendc,
                    with_lse=splits_of(op) > 1 or op.return_lse, scale=repr(float(op.sm_scale)),
                    softcap=repr(float(op.softcap)))
     elif op.kind == "reshape_and_cache":
-        ctx.update(in_t=CTYPES[op.dtype], kv_t=CTYPES[op.kv_dtype])
+        ctx.update(in_t=DTYPES[op.dtype].ascendc, kv_t=DTYPES[op.kv_dtype].ascendc)
     elif op.kind in ("copy_blocks", "swap_blocks"):
-        ctx.update(kv_t=CTYPES[op.kv_dtype])
+        ctx.update(kv_t=DTYPES[op.kv_dtype].ascendc)
     return ctx
 
 

@@ -1,13 +1,14 @@
 """Load an emulator build of a generated AscendC kernel and call its launcher from numpy.
 
 The launcher is the same `int ua_<op>_<hash>(void*..., int64_t..., aclrtStream)` as on the
-NPU; here it runs the kernel's blocks as threads over the caller's arrays (GM). Arguments
+NPU; here it runs the kernel's blocks as threads over the caller's arrays (GM), or, in the
+CPU-debug build, one process per block over GmAlloc copies of them. build.load builds and
+loads one. Arguments
 are checked against op.params() first (uacompile.binding): a wrong dtype is a TypeError, a
 wrong shape or size a ValueError, each naming the argument; sizes may be omitted.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,12 +66,3 @@ class EmulatedKernel:
         if n < 0:
             raise ValueError(f"mapping: {'a page index is out of range' if n == -1 else 'a destination repeats'}")
         return out[:n]
-
-
-@functools.lru_cache(maxsize=None)
-def load(op: OpSpec, soc: str | None = None) -> EmulatedKernel:
-    """Build (cached) and load the emulator library of op."""
-    from .build import emulator_library
-    from .generate import DEFAULT_SOC
-
-    return EmulatedKernel(op, emulator_library(op, soc or DEFAULT_SOC))

@@ -46,11 +46,21 @@ def attention_error(op, inputs: dict, outs: dict) -> float:
     return err if np.all(np.isfinite(reference.f64(got_o))) else float("inf")
 
 
+def aligned_copy(a: np.ndarray, align: int = 64) -> np.ndarray:
+    """A copy of a whose data starts on an `align`-byte boundary (aclrtMemcpyAsync wants 64 B)."""
+    raw = np.empty(a.nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
 def run_inplace(kernel: EmulatedKernel, inputs: dict) -> tuple[dict, dict]:
-    """Cache ops work in place: run the kernel and the reference on separate copies;
-    returns (kernel arrays, reference arrays) of the in/out tensors."""
+    """Cache ops work in place: run the kernel and the reference on separate copies (64-byte
+    aligned, as device and pinned host memory are); returns (kernel arrays, reference arrays)
+    of the in/out tensors."""
     op = kernel.op
-    mine = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    mine = {k: (aligned_copy(v) if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
     theirs = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
     kernel(**mine)
     reference.run(op, **{k: v for k, v in theirs.items() if not isinstance(v, int)})
@@ -77,9 +87,9 @@ def _cases(op: OpSpec, rng) -> list[tuple[str, dict]]:
     raise ValueError(f"op: no emulator cases for {op.kind}")
 
 
-def verify(op: OpSpec, library, seed: int = 0) -> list[dict]:
-    """Run op's emulator library on fresh random inputs; one record per case."""
-    kernel = EmulatedKernel(op, library)
+def verify(kernel: EmulatedKernel, seed: int = 0) -> list[dict]:
+    """Run an emulator build on fresh random inputs; one record per case."""
+    op = kernel.op
     rng = np.random.default_rng(seed)
     results = []
     for name, inputs in _cases(op, rng):

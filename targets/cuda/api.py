@@ -19,8 +19,6 @@ import torch
 from uacompile import binding, ir
 from .loader import load
 
-# torch dtype -> IR dtype of float / KV tensors (the friendly functions infer ops from them)
-IR_DTYPE = {t: d for d in ir.KV_DTYPES for t in binding.TORCH.dtypes(d)}
 # tensors that may live in pinned host memory (the kernel reaches them over PCIe)
 HOST_OK = {"swap_blocks": {"src", "dst", "src_scales", "dst_scales", "mapping"}}
 INDEX_DTYPES = ("int32", "int64")
@@ -80,6 +78,10 @@ class CudaKernel:
 
     def __call__(self, **kwargs) -> None:
         args, device = self.bind(kwargs)
+        self.launch(args, device)
+
+    def launch(self, args: list, device: torch.device) -> None:
+        """Run the launcher on torch's current stream of device with C arguments from bind()."""
         if device.index == torch.cuda.current_device():  # the launcher runs on the current device
             rc = self.fn(*args, self.ffi.cast("void*", torch.cuda.current_stream().cuda_stream))
         else:
@@ -87,6 +89,36 @@ class CudaKernel:
                 rc = self.fn(*args, self.ffi.cast("void*", torch.cuda.current_stream(device).cuda_stream))
         if rc:
             raise RuntimeError(f"{self.kernel.symbol()}: CUDA error {rc} ({_error_name(rc)}) at launch")
+
+    def launcher(self, fixed: dict, varying: dict) -> "Launcher":
+        """A call with `fixed` tensors checked and bound once (launch(**varying) then checks only the others)."""
+        return Launcher(self, fixed, varying)
+
+
+class Launcher:
+    """A CudaKernel's call with some arguments bound once: made from one full check of every argument, each call
+    checks only the varying tensors against the dtype, shape, device and layout they had then (anything else is
+    re-checked in full, so a mismatch raises the same error a plain call would) and swaps in their pointers.
+    The fixed tensors must stay alive and keep their data where they are (a plan's step inputs and workspaces)."""
+
+    def __init__(self, kernel: CudaKernel, fixed: dict, varying: dict):
+        self.kernel, self.fixed = kernel, dict(fixed)
+        self.args, self.device = kernel.bind({**fixed, **varying})
+        order = [p.name for p in kernel.tensor_specs]
+        self.slots = tuple((name, order.index(name), t.dtype, tuple(t.shape)) for name, t in varying.items()
+                           if t is not None)
+        self.cast = kernel.ffi.cast
+
+    def __call__(self, **varying) -> None:
+        args, cast, device = list(self.args), self.cast, self.device
+        for name, i, dtype, shape in self.slots:
+            t = varying[name]
+            if (t.dtype is not dtype or t.shape != shape or t.device != device or not t.is_contiguous()
+                    or t.data_ptr() % ALIGN):
+                args, _ = self.kernel.bind({**self.fixed, **varying})  # the full check's error, or its arguments
+                break
+            args[i] = cast("void*", t.data_ptr())
+        self.kernel.launch(args, device)
 
 
 _kernels: dict[tuple, CudaKernel] = {}
@@ -101,25 +133,45 @@ def kernel(op: ir.OpSpec | ir.Kernel, arch: str | None = None) -> CudaKernel:
     return _kernels[key]
 
 
-def preload(ops, arch: str | None = None, workers: int = 4) -> None:
-    """Build many variants at once: one library (one nvcc run) per op kind, kinds in parallel;
-    later kernel(op) / friendly calls find them without building."""
+LIBRARY_KERNELS = 4  # kernels of one kind a preloaded library holds (one nvcc run each, run side by side)
+
+
+def preload(ops, arch: str | None = None, workers: int | None = None, progress: bool = False) -> int:
+    """Build (or load from the cache) many kernels at once, so later kernel(op) calls never build: libraries of up
+    to LIBRARY_KERNELS kernels of one kind (a fixed grouping of the sorted kernels, so a second start finds the
+    same cache entries), nvcc runs side by side on `workers` threads (default: the CPU count). Returns how many
+    libraries came from the cache."""
+    import os
     from concurrent.futures import ThreadPoolExecutor
 
-    by_kind: dict[str, list] = {}
-    for op in map(ir.as_kernel, ops):
-        by_kind.setdefault(op.kind, []).append(op)
-    with ThreadPoolExecutor(max(1, min(workers, len(by_kind)))) as pool:
-        libs = list(pool.map(lambda group: (group, load(group, arch)), by_kind.values()))
-    for group, lib in libs:
-        for op in group:
-            _kernels.setdefault((op, arch), CudaKernel(op, arch, library=lib))
+    from tqdm import tqdm
+
+    kernels = sorted({ir.as_kernel(op) for op in ops if (ir.as_kernel(op), arch) not in _kernels},
+                     key=lambda k: (k.kind, k.symbol()))
+    groups: list[list] = []
+    for k in kernels:
+        if groups and groups[-1][0].kind == k.kind and len(groups[-1]) < LIBRARY_KERNELS:
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    hits = 0
+    with ThreadPoolExecutor(max(1, min(workers or os.cpu_count() or 1, len(groups) or 1))) as pool, \
+            tqdm(total=len(kernels), desc="kernels", unit="kernel", disable=not progress, dynamic_ncols=True) as bar:
+        for group, lib in zip(groups, pool.map(lambda g: load(g, arch), groups)):
+            hits += bool(lib.build and lib.build.hit)
+            for k in group:
+                _kernels.setdefault((k, arch), CudaKernel(k, arch, library=lib))
+            bar.update(len(group))
+    return hits
 
 
 def _kv_dtype(name: str, t: torch.Tensor) -> str:
-    if t.dtype not in IR_DTYPE:
-        raise TypeError(f"{name}: unsupported dtype {t.dtype}; use one of {sorted(map(str, IR_DTYPE))}")
-    return IR_DTYPE[t.dtype]
+    """The IR dtype of a float / KV tensor (the friendly functions infer ops from them); uint8 is fp8's raw bytes."""
+    dtype = "fp8_e4m3" if t.dtype == torch.uint8 else ir.from_torch(t.dtype)
+    if dtype not in ir.KV_DTYPES:
+        raise TypeError(f"{name}: unsupported dtype {t.dtype}; use one of {[str(ir.torch_dtype(d)) for d in ir.KV_DTYPES]}"
+                        " or torch.uint8 (fp8 bytes)")
+    return dtype
 
 
 def _need_dims(name: str, t, n: int, layout: str) -> None:

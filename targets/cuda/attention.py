@@ -33,17 +33,23 @@ def run(p: Plan, q, k_cache, v_cache, token_seq, page_table, token_kv_len, *, ou
         out = torch.empty_like(q)
     if op.return_lse and lse is None:
         lse = torch.empty((q.shape[0], op.num_q_heads), dtype=torch.float32, device=q.device)
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq, page_table=page_table,
-                   token_kv_len=token_kv_len, **p.workspace)
+    layer = dict(q=q, k_cache=k_cache, v_cache=v_cache)
     if op.quantized:
-        tensors.update(k_scale=k_scale, v_scale=v_scale)
-    if op.alibi:
-        tensors["alibi_slopes"] = alibi_slopes
+        layer.update(k_scale=k_scale, v_scale=v_scale)
     final = dict(out=out, lse=lse) if op.return_lse else dict(out=out)
     if p.merge is None:
-        p.kernel(**tensors, **final)
-    else:  # split partials, then merge_state
-        p.kernel(**tensors)
+        layer.update(final)
+    # the step's tensors (the same every layer) and the workspaces are checked once, when the launcher is made
+    launch = p.launchers.get("run")
+    if (launch is None or launch.fixed["token_seq"] is not token_seq or launch.fixed["page_table"] is not page_table
+            or launch.fixed["token_kv_len"] is not token_kv_len
+            or (op.alibi and launch.fixed["alibi_slopes"] is not alibi_slopes)):
+        fixed = dict(token_seq=token_seq, page_table=page_table, token_kv_len=token_kv_len, **p.workspace)
+        if op.alibi:
+            fixed["alibi_slopes"] = alibi_slopes
+        launch = p.launchers["run"] = p.kernel.launcher(fixed, layer)
+    launch(**layer)
+    if p.merge is not None:  # split partials, then merge_state
         p.merge(o_partial=p.workspace["o_partial"], lse_partial=p.workspace["lse_partial"], **final)
     return (out, lse) if op.return_lse else out
 

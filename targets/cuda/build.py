@@ -6,51 +6,34 @@
 Several ops go into one translation unit (each template wraps its code in its own
 namespace; the common header is include-guarded), so a kernel set costs one nvcc run.
 Cache key = content_hash(op dicts, rendered source, nvcc version, flags); the artefact
-folder keeps kernels.cu and build.json beside lib.so. A failed build raises BuildError
-with nvcc's message and the path of the kept source. arch: "sm_80", "sm_90", "sm_90a",
-or None = the current GPU (sm_90 without one). A template marked UA_REQUIRES_SM90A is
-built for sm_90a when arch is sm_90. Env: UACOMPILE_NVCC (default: nvcc on PATH, then
-$CUDA_HOME/bin/nvcc), UACOMPILE_NVCC_FLAGS (extra flags, part of the key). An op with several code shapes (render.code_shapes: the same
-computation rendered differently, because ptxas serialises the wgmma (C7511) of some kernels in one
-shape and not another) is built in shape 0 and, where ptxas serialised it, rebuilt in its next shape.
+folder keeps kernels.cu and build.json beside lib.so. nvcc runs through uacompile.nvcc (flags,
+env, errors: a failed build raises nvcc.NvccError with nvcc's message and the kept source).
+arch: "sm_80", "sm_90", "sm_90a", or None = the current GPU (sm_90 without one). A template
+marked UA_REQUIRES_SM90A is built for sm_90a when arch is sm_90. An op with several code shapes
+(render.code_shapes: the same computation rendered differently, because ptxas serialises the wgmma
+(C7511) of some kernels in one shape and not another) is built in shape 0 and, where ptxas
+serialised it, rebuilt in its next shape.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-import shlex
 import shutil
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from uacompile import ir
-from uacompile.cache import cache_dir, cached_build, content_hash, toolchain_versions
+from uacompile import ir, nvcc
+from uacompile.cache import cached_build, content_hash
 from .render import code_shapes, needs_sm90a, render_op
 
-# -fno-gnu-unique: static locals of inline/template code (a launcher's "attribute set once" flag)
-# would otherwise be one object across every library of the process, so a second library of the
-# same op (a sweep's candidates) would skip its own cudaFuncSetAttribute and fail to launch.
-BASE_FLAGS = ("-O3", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fno-gnu-unique", "-std=c++17", "-lineinfo")
 # What build.json records, as part of the key: 2 since ptxas' "Performance Loss" lines are kept (builds cached
 # before that recorded no C75xx line, so a guard reading them passed whatever ptxas said)
 BUILD_RECORD = 3  # 3: a kernel ptxas serialised is built again with its next code shape
 # ptxas' note names the kernel: "... in the function '_ZN<len><symbol>_impl..."
 SERIALISED = re.compile(r"function '_ZN\d+(\w+?)_impl")
-
-
-def compiler_warnings(output: str) -> list[str]:
-    """nvcc/ptxas lines kept with a build: warnings and ptxas' performance notes (C7511/C7520: wgmma
-    serialised), which nvcc 13 prints as "ptxas info : (C7511) Potential Performance Loss: ...", no "warning"."""
-    return [line.strip() for line in output.splitlines()
-            if "warning" in line.lower() or "performance loss" in line.lower()]
-
-
-class BuildError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -62,47 +45,14 @@ class BuildResult:
     arch: str
 
 
-def nvcc_path() -> str:
-    env = os.environ.get("UACOMPILE_NVCC")
-    if env:
-        return env
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    cand = Path(home) / "bin" / "nvcc"
-    if cand.exists():
-        return str(cand)
-    raise BuildError("nvcc not found: put it on PATH, or set UACOMPILE_NVCC or CUDA_HOME")
-
-
-def default_arch() -> str:
-    """The current GPU's arch (torch), else sm_90 (the H200 the project targets)."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            return f"sm_{major}{minor}"
-    except ImportError:
-        pass
-    return "sm_90"
-
-
-def arch_flags(arch: str, source: str) -> list[str]:
-    if not (arch.startswith("sm_") and arch[3:].rstrip("a").isdigit()):
-        raise ValueError(f"arch: expected like 'sm_90' or 'sm_90a', got {arch!r}")
-    if arch == "sm_90" and needs_sm90a(source):
-        arch = "sm_90a"
-    if arch.endswith("a"):
-        num = arch[3:]
-        return [f"-gencode=arch=compute_{num},code=sm_{num}"]
-    return [f"-arch={arch}"]
+def build_arch(arch: str, source: str) -> str:
+    """The arch a source is compiled for: sm_90 becomes sm_90a where a template needs wgmma."""
+    nvcc.check_arch(arch)
+    return "sm_90a" if arch == "sm_90" and needs_sm90a(source) else arch
 
 
 def nvcc_flags(arch: str, source: str) -> list[str]:
-    extra = shlex.split(os.environ.get("UACOMPILE_NVCC_FLAGS", ""))
-    return [*BASE_FLAGS, *arch_flags(arch, source), *extra]
+    return nvcc.flags(build_arch(arch, source))
 
 
 def serialised_kernels(warnings: list[str]) -> set[str]:
@@ -122,11 +72,10 @@ def build(ops: ir.OpSpec | ir.Kernel | Iterable[ir.OpSpec | ir.Kernel], arch: st
     if not ops:
         raise ValueError("ops: need at least one op to build")
     ops = list({op.symbol(): op for op in ops}.values())  # one launcher per distinct kernel
-    arch = arch or default_arch()
+    arch = arch or nvcc.default_arch()
     source = "\n".join(render_op(op, arch) for op in ops)
     flags = nvcc_flags(arch, source)
-    nvcc = nvcc_path()
-    key = content_hash([op.to_dict() for op in ops], source, toolchain_versions(nvcc), flags, BUILD_RECORD)
+    key = content_hash([op.to_dict() for op in ops], source, nvcc.toolchain(), flags, BUILD_RECORD)
     n_shapes = {op.symbol(): code_shapes(op, arch) for op in ops}
 
     def compile_into(folder: Path) -> None:
@@ -137,16 +86,7 @@ def build(ops: ir.OpSpec | ir.Kernel | Iterable[ir.OpSpec | ir.Kernel], arch: st
             sub.mkdir()
             src = source if not any(shapes) else "\n".join(render_op(op, arch, s) for op, s in zip(ops, shapes))
             (sub / "kernels.cu").write_text(src)
-            cmd = [nvcc, *flags, "-o", str(sub / "lib.so"), str(sub / "kernels.cu")]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                kept = cache_dir() / "cuda-failed" / f"{key[:16]}.cu"
-                kept.parent.mkdir(parents=True, exist_ok=True)
-                kept.write_text(src)
-                msg = (proc.stderr or proc.stdout).strip().splitlines()
-                raise BuildError(f"nvcc failed for {[op.symbol() for op in ops]} (source kept at {kept}):\n"
-                                 + "\n".join(msg[-40:]) + f"\ncommand: {shlex.join(cmd)}")
-            warnings = compiler_warnings(proc.stderr + proc.stdout)
+            warnings = nvcc.compile_library(sub / "kernels.cu", sub / "lib.so", flags, str([op.symbol() for op in ops]))
             built[shapes] = (sub, serialised_kernels(warnings), warnings)
 
         # each op's shape: the first one (in order) that ptxas did not serialise. Since v37 (the half-wide
@@ -174,7 +114,7 @@ def build(ops: ir.OpSpec | ir.Kernel | Iterable[ir.OpSpec | ir.Kernel], arch: st
             shutil.rmtree(built[v][0], ignore_errors=True)
         attempts = [dict(shapes=dict(zip([o.symbol() for o in ops], v)), serialised=sorted(bad)) for v, (_, bad, _) in built.items()]
         (folder / "build.json").write_text(json.dumps(
-            dict(ops=[op.to_dict() for op in ops], arch=arch, flags=flags, nvcc=toolchain_versions(nvcc),
+            dict(ops=[op.to_dict() for op in ops], arch=arch, flags=flags, nvcc=nvcc.toolchain(),
                  seconds=round(time.perf_counter() - started, 3), warnings=warnings,
                  code_shapes=dict(zip([o.symbol() for o in ops], chosen)), attempts=attempts), indent=1, default=str))
 

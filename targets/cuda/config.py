@@ -9,7 +9,7 @@ explicit one overrides it. This is the space `uacompile tune` searches.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from uacompile import ir
 from uacompile.errors import IRError
@@ -50,9 +50,72 @@ class AttentionConfig:
         return replace(self, **changes)
 
 
+@dataclass(frozen=True)
+class ReshapeConfig:
+    """reshape_and_cache on CUDA; None leaves a field to the built-in rule (render.py's _reshape_and_cache).
+
+    rows: K/V heads a step (a cap: the largest divisor of Hkv not above it); steps: steps a task (rows * steps
+    divides Hkv); threads a block; waves: grid cap in resident-block waves (0: one task a lane group);
+    min_blocks: __launch_bounds__ minimum; stages: steps in flight through shared memory by cp.async (0: a
+    register double buffer); fast_quant; neox: "paired" | "reload" (RoPE's rotate-half partner); group: lanes a
+    row (a power of two, at most the rule's); quant: "classic" | "lean"; amax: "bits" | "packed" (with lean);
+    prefetch: L2 prefetch this many tokens ahead (0: off); oneshot: with waves=0, a warp's one round known at
+    compile time.
+    """
+
+    rows: int | None = None
+    steps: int | None = None
+    threads: int | None = None
+    waves: int | None = None
+    min_blocks: int | None = None
+    stages: int | None = None
+    fast_quant: bool | None = None
+    neox: str | None = None
+    group: int | None = None
+    quant: str | None = None
+    amax: str | None = None
+    prefetch: int | None = None
+    oneshot: bool | None = None
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                continue
+            if f.name in ("neox", "quant", "amax"):
+                allowed = {"neox": ("paired", "reload"), "quant": ("classic", "lean"), "amax": ("bits", "packed")}
+                if v not in allowed[f.name]:
+                    raise IRError(f"ReshapeConfig.{f.name}", f"must be one of {allowed[f.name]}, got {v!r}")
+            elif f.name in ("fast_quant", "oneshot"):
+                if not isinstance(v, bool):
+                    raise IRError(f"ReshapeConfig.{f.name}", f"must be a bool, got {v!r}")
+            elif not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise IRError(f"ReshapeConfig.{f.name}", f"must be an int >= 0, got {v!r}")
+
+    def overrides(self) -> dict:
+        """The fields set (the rest are the rule's)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def parse(cls, text: str) -> "ReshapeConfig":
+        """From "rows=4,oneshot=1" (a sweep's candidate): ints, 0/1 for the bools, words for the rest."""
+        types = {f.name: f.type for f in fields(cls)}
+        out = {}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            key, _, value = item.partition("=")
+            if key not in types:
+                raise IRError(f"ReshapeConfig.{key}", f"is not a field; fields: {sorted(types)}")
+            out[key] = (value if key in ("neox", "quant", "amax") else bool(int(value))
+                        if key in ("fast_quant", "oneshot") else int(value))
+        return cls(**out)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def config_of(kernel: ir.Kernel) -> AttentionConfig:
     """A paged-attention kernel's config (the default one where none is given)."""
     return kernel.config if kernel.config is not None else AttentionConfig()
 
 
-__all__ = ["AttentionConfig", "config_of"]
+__all__ = ["AttentionConfig", "ReshapeConfig", "config_of"]

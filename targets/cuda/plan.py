@@ -11,7 +11,7 @@ alone (so a captured graph fixes it), or is given. Nothing here runs per layer.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from uacompile import ir
 from .config import AttentionConfig
@@ -76,6 +76,26 @@ def choose_config(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     config = base.replace(num_splits=num_splits, fused_merge=fused_merge and num_splits > 1)
     return config.replace(item_queue=uses_wgmma(op, config, arch))
+
+
+def reachable_configs(op: ir.PagedAttention, max_tokens: int, max_seqs: int, max_kv_len: int,
+                      num_sms: int = H200_SMS, arch: str = "sm_90") -> set[AttentionConfig]:
+    """Every config choose_config returns for a step within these limits (at most max_tokens tokens of at most
+    max_seqs sequences, none longer than max_kv_len): the kernels a server must have built before it serves.
+    choose_splits reads the tokens only through the items they make and the length only in MIN_SPLIT_LEN
+    steps, so the walk is over those."""
+    lay = layout(op, AttentionConfig(), arch)
+    tile = max(1, lay.prefill_rows // op.group_size)
+    lengths = sorted({min(max_kv_len, k * MIN_SPLIT_LEN) for k in range(max_kv_len // MIN_SPLIT_LEN + 1)} | {max_kv_len})
+    steps = set()
+    for T in range(1, max_seqs + 1):  # decode steps: T tokens of >= T sequences
+        steps.add((T, T))
+    for S in range(1, max_seqs + 1):  # up to 2 tokens a sequence: items = sequences
+        steps.update((T, S) for T in (S + 1, 2 * S) if T <= max_tokens)
+    for n in range(1, -(-max_tokens // tile) + 1):  # prefill: items = tiles
+        T = min(max_tokens, n * tile)
+        steps.add((T, max(1, min(max_seqs, -(-T // 2) - 1))) if T > 2 else (T, 1))
+    return {choose_config(op, T, S, L, num_sms, arch) for T, S in steps for L in lengths}
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,6 +166,7 @@ class Plan:
     num_seqs: int
     device_index: int
     workspace: dict  # tensor name -> the plan's buffer (o_partial, lse_partial, split_counters, item_queue)
+    launchers: dict = field(default_factory=dict)  # attention.run's bound call (api.Launcher) of the step's tensors
 
     @property
     def num_splits(self) -> int:
@@ -201,5 +222,5 @@ def plan(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_len: int,
     return Plan(op, config, kernel, merge, num_tokens, num_seqs, index, buffers)
 
 
-__all__ = ["MIN_SPLIT_LEN", "MAX_SPLITS", "choose_splits", "choose_config", "device_arch", "device_sms", "Workspace",
+__all__ = ["MIN_SPLIT_LEN", "MAX_SPLITS", "choose_splits", "choose_config", "reachable_configs", "device_arch", "device_sms", "Workspace",
            "Plan", "plan"]

@@ -7,8 +7,8 @@ Each op kind has a context builder `fn(op) -> (template_name, context)`. Every c
 gets the common keys below, so a template needs no Python beyond its builder:
     op, symbol (the launcher name), ns (a C++ namespace unique to the op: wrap all kernels
     and helpers in it, so several ops can share one translation unit), signature
-    (ir.c_signature(op): `extern "C" {{ signature }} { ... return (int)cudaGetLastError(); }`),
-    ctype (IR dtype -> C type inside namespace ua, e.g. ctype['bf16'] == 'bf16').
+    (ir.c_signature(op): `extern "C" {{ signature }} { ... return (int)cudaGetLastError(); }`).
+C types come from ir.DTYPES[dtype].c (bf16 is a typedef of common.cuh).
 Templates start with `{% include "cuda/common.cuh.j2" %}` (dtypes, vectors, quantisation).
 A template that needs Hopper-only instructions (wgmma) writes the marker line
 `// UA_REQUIRES_SM90A` and guards that code for other archs; build.py then compiles it for
@@ -24,11 +24,10 @@ import jinja2
 
 from uacompile import ir
 
-from .config import config_of
+from .config import ReshapeConfig, config_of
 from .layout import HOPPER_ARCHS, TEMPLATE, check, dynamic_prefill, layout, uses_wgmma, wgmma_width
 
 SM90A_MARKER = "// UA_REQUIRES_SM90A"
-CTYPE = {name: c for name, (_, c, _) in ir.DTYPES.items()}
 
 
 @functools.cache
@@ -66,29 +65,11 @@ def lane_group(chunks: int) -> int:
 
 
 # ---------------------------------------------------------------- per-op context builders
-RC_DESIGN_ENV = "UACOMPILE_RC_VARIANT"  # reshape_and_cache design knobs of a build worker (bench/reshape_sweep.py)
-
-
-def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
-    """Template context; `design` overrides the tuned choices (bench/reshape_sweep.py builds
-    candidates that way, in worker processes, through UACOMPILE_RC_VARIANT="rows=4,waves=0"):
-    rows (R heads per step: the largest divisor of Hkv up to it), steps (S steps per task; R*S divides Hkv), threads,
-    waves (grid cap in resident-block waves, 0 = one task per lane group), min_blocks
-    (__launch_bounds__ minimum), stages (steps in flight through shared memory by cp.async; 0 =
-    a register double buffer), fast_quant (0/1), neox ("paired" / "reload"), group (lanes per
-    row: a power of two, at most the default; fewer lanes hold more vectors of the row each),
-    quant ("classic" / "lean": the general quantisation path once per step, no division or
-    reciprocal calls on the fast path), amax ("bits" / "packed": K and V rows' 16-bit maxima in one shuffle; with quant=lean),
-    prefetch (L2 prefetch of the rows this many tokens ahead; 0 = off), oneshot (0/1, with waves=0:
-    a warp's one round known at compile time, no next-task loads or loop-carried copies)."""
-    import os
-
-    if not design and os.environ.get(RC_DESIGN_ENV):
-        design = dict(kv.split("=", 1) for kv in os.environ[RC_DESIGN_ENV].split(","))
-    unknown = set(design) - {"rows", "steps", "threads", "waves", "min_blocks", "stages", "fast_quant", "neox",
-                             "group", "quant", "amax", "prefetch", "oneshot"}
-    if unknown:
-        raise ValueError(f"reshape_and_cache design: unknown knobs {sorted(unknown)}")
+def _reshape_and_cache(kernel: ir.Kernel, arch: str = "sm_90"):
+    """Template context of a reshape_and_cache kernel: its ReshapeConfig's fields where set (config.py documents
+    them; bench/reshape_sweep.py builds candidates that way), the built-in rule for the rest."""
+    op = kernel.op
+    design = kernel.config.overrides() if isinstance(kernel.config, ReshapeConfig) else {}
     # Production knobs of quantised caches without RoPE; a candidate's knobs override them.
     # Lean + packed beat the classic path for int8 / fp8, bit-exact; a min_blocks=5 cap gains on int8
     # but spills, so it is left out.
@@ -137,14 +118,14 @@ def _reshape_and_cache(op: ir.ReshapeAndCache, arch: str = "sm_90", **design):
         D = op.head_dim
         inv_freq = [repr(float(f)) for f in 1.0 / op.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D)]
     return "cuda/reshape_and_cache.cu.j2", dict(
-        Hkv=Hkv, D=op.head_dim, P=op.page_size, in_ctype=CTYPE[op.dtype], cache_ctype=CTYPE[op.kv_dtype],
+        Hkv=Hkv, D=op.head_dim, P=op.page_size, in_ctype=ir.DTYPES[op.dtype].c, cache_ctype=ir.DTYPES[op.kv_dtype].c,
         vec=vec, group=group, rows=rows, steps=steps, stages=stages, threads=int(design.get("threads", 256)),
         # H200 sweeps (bench/reshape_sweep.py): one task per lane group (waves=0) moved 83-84% / 72% /
         # 71-76% / 81% of the copy ceiling (fp16 / int8 / fp8 / RoPE) against 72 / 64 / 67 / 73% with a
         # persistent one-wave grid
         waves=int(design.get("waves", 0)), min_blocks=int(design.get("min_blocks", 0)),
-        fast_quant=bool(int(design.get("fast_quant", 1))), quant=quant, amax=amax, prefetch=int(design.get("prefetch", 0)),
-        oneshot=bool(int(design.get("oneshot", 0))),
+        fast_quant=bool(design.get("fast_quant", True)), quant=quant, amax=amax, prefetch=int(design.get("prefetch", 0)),
+        oneshot=bool(design.get("oneshot", False)),
         quantized=op.quantized, rope=op.rope,
         rope_theta=op.rope_theta, inv_freq=inv_freq, rope_interleaved=op.rope_interleaved, rope_mode=mode)
 
@@ -160,7 +141,7 @@ def _page_copy(op):
 def _merge_state(op: ir.MergeState, arch: str):
     vec = vector_width(op.head_dim, 4)
     return "cuda/merge_state.cu.j2", dict(
-        S=op.num_splits, H=op.num_heads, D=op.head_dim, out_ctype=CTYPE[op.out_dtype], vec=vec,
+        S=op.num_splits, H=op.num_heads, D=op.head_dim, out_ctype=ir.DTYPES[op.out_dtype].c, vec=vec,
         group=lane_group(op.head_dim // vec), threads=256, return_lse=op.return_lse)
 
 
@@ -188,7 +169,7 @@ def _paged_attention(kernel: ir.Kernel, arch: str = "sm_90", shape: int = 0) -> 
         variant=op.variant, unified=op.variant == "unified_masked",
         Hq=op.num_q_heads, Hkv=op.num_kv_heads, D=op.head_dim, DW=wgmma_width(op.head_dim) if lay.wgmma else op.head_dim,
         P=op.page_size,
-        q_dtype=op.q_dtype, kv_dtype=op.kv_dtype, q_ctype=CTYPE[op.q_dtype], kv_ctype=CTYPE[op.kv_dtype],
+        q_dtype=op.q_dtype, kv_dtype=op.kv_dtype, q_ctype=ir.DTYPES[op.q_dtype].c, kv_ctype=ir.DTYPES[op.kv_dtype].c,
         quantized=op.quantized, num_splits=cfg.num_splits, write_lse=op.return_lse and cfg.num_splits == 1,
         fused_merge=cfg.fused_merge,
         window=op.window, softcap=op.softcap, softcap_c=_c_float(op.softcap or 1.0), alibi=op.alibi,
@@ -228,10 +209,9 @@ def render_op(op: ir.OpSpec | ir.Kernel, arch: str = "sm_90", shape: int = 0) ->
         raise ir.IRError("op", f"has no CUDA template: {op.kind!r} (have {sorted(CONTEXT_BUILDERS)})")
     if not 0 <= shape < code_shapes(op, arch):
         raise ValueError(f"shape: {op.kind} has {code_shapes(op, arch)} code shape(s) on {arch}, got {shape}")
-    builder_arg = kernel if op.kind == "paged_attention" else op
+    builder_arg = kernel if op.kind in ("paged_attention", "reshape_and_cache") else op
     template, ctx = CONTEXT_BUILDERS[op.kind](builder_arg, arch, shape) if shape else CONTEXT_BUILDERS[op.kind](builder_arg, arch)
-    common = dict(op=op, symbol=kernel.symbol(), ns=f"{kernel.symbol()}_impl", signature=ir.c_signature(kernel),
-                  ctype=CTYPE)
+    common = dict(op=op, symbol=kernel.symbol(), ns=f"{kernel.symbol()}_impl", signature=ir.c_signature(kernel))
     return environment().get_template(template).render(**common, **ctx)
 
 

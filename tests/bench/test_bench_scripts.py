@@ -2,6 +2,7 @@
 device time: import each one here (no GPU needed to import) and parse its command line."""
 from __future__ import annotations
 
+import json
 import importlib
 import importlib.util
 import subprocess
@@ -89,6 +90,11 @@ def test_a_target_row_is_met_at_its_goal_and_missed_below(monkeypatch):
     slow = dict(op="build", shape="x", impl="cached load (key+render+dlopen)", ms=kernels.CACHED_LOAD_TARGET_MS * 2)
     assert not kernels.target_checks([slow])[0]["met"]
     assert "0 of 1 target rows met" in kernels.targets_table(kernels.target_checks([slow]))
+    run = dict(op="plan overhead", shape="decode 8x256", impl="attention.run(plan, ...)", us=kernels.RUN_TARGET_US)
+    convenience = dict(run, impl="paged_attention(), kept Workspace", us=40.0)
+    checks = kernels.target_checks([run, convenience])
+    assert len(checks) == 1 and checks[0]["met"] and "paged_attention(), kept Workspace 40" in checks[0]["peers"]
+    assert not kernels.target_checks([dict(run, us=kernels.RUN_TARGET_US + 1)])[0]["met"]
 
 
 def test_rerender_rebuilds_the_report_from_a_json(tmp_path):
@@ -114,7 +120,9 @@ def test_chart_draws_every_panel_from_a_run(tmp_path, monkeypatch):
 
     monkeypatch.syspath_prepend(str(BENCH))
     chart = importlib.import_module("chart")
-    png = chart.draw(_kernels_run(), tmp_path / "k.png")
+    run = _kernels_run()
+    run["targets"] = importlib.import_module("kernels").target_checks(run["rows"])
+    png = chart.draw(run, tmp_path / "k.png")
     assert png.stat().st_size > 20_000
     assert chart._label("reshape_and_cache % of copy ceiling >= 85", "T=32768 Hkv=8 D=128 P=16 bf16->bf16 +rope") \
         == "reshape\nbf16 to\nbf16\n+rope"
@@ -166,28 +174,38 @@ def test_power_reader_reads_watts_joules_and_clock(monkeypatch):
     assert 0 < p["small"].joules_per_call < p["big"].joules_per_call
 
 
-def test_decode_candidates_time_the_ops_production_launches(monkeypatch):
-    """decode_sweep --candidates must time what paged_attention() launches (launched_op: on Hopper the
-    item-queue op). Until session 8 it timed the op without item_queue, another kernel whose decode path
-    ptxas allocates differently: a layout change read +3% there and -13% in bench/kernels.py."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    sweep = importlib.import_module("decode_sweep")
-    from uacompile.targets.cuda import attention
+def test_decode_sweep_builds_and_times_what_plan_launches(monkeypatch):
+    """decode_sweep and attention_bench build (launched_kernel) and time what attention.plan() launches on the
+    device: the decode-only kernel at the built-in split count, fused, and with fused_merge=False the partials
+    kernel plus merge_state. Timing another kernel than production's once read +3% there and -13% in
+    bench/kernels.py."""
+    from uacompile import ir
+    from uacompile.targets.cuda.config import AttentionConfig
+    from uacompile.targets.cuda.layout import layout
+    from uacompile.targets.cuda.plan import choose_config
 
-    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)  # the H200 the sweep runs on
-    monkeypatch.setattr(attention, "_arch", lambda device: "sm_90")
-    ops = sweep.candidate_ops(sweep.CANDIDATE_SHAPES, sweep.CANDIDATE_QUANT_SHAPES)
-    production = attention.design_of("")
-    for (kv, B, L), (op, splits) in ops.items():  # decode steps: the decode-only op
-        base = op.replace(num_splits=1, fused_merge=False, decode_only=False)
-        assert op == attention.launched_op(base, splits, arch="sm_90", design=production, decode_only=True), (kv, B, L)
-        assert op.decode_only and not op.item_queue, (kv, B, L)
-        assert splits == attention.choose_splits(op, B, B, L), (kv, B, L)
-    assert {s for _, s in ops.values()} >= {1, 4, 32}  # one-split and split rows both
-    # the "mixed" candidate: the one kernel, on Hopper with the item queue (the wgmma path; 8-bit KV runs mma.sync)
-    mixed = sweep.candidate_ops(sweep.CANDIDATE_SHAPES, sweep.CANDIDATE_QUANT_SHAPES, sweep.candidate_design("mixed"))
-    for (kv, B, L), (op, splits) in mixed.items():
-        assert not op.decode_only and op.item_queue == (kv == "bf16"), (kv, B, L)
+    monkeypatch.syspath_prepend(str(BENCH))
+    ab = importlib.import_module("attention_bench")
+    sweep = importlib.import_module("decode_sweep")
+    for module in (ab, sweep):  # the H200 the sweep runs on
+        monkeypatch.setattr(module, "device_sms", lambda device: 132)
+        monkeypatch.setattr(module, "device_arch", lambda device: "sm_90")
+    op = ab.op_of()
+    autos = set()
+    for B, L in ab.DECODE_SHAPES + sweep.EXTRA_SHAPES:
+        auto = sweep.auto_splits(op, B, L)
+        kernel = ab.launched_kernel(op, B, B, L)
+        assert kernel == ir.Kernel(op, choose_config(op, B, B, L, 132, "sm_90")), (B, L)
+        assert kernel.config.decode_only and not kernel.config.item_queue and kernel.config.num_splits == auto
+        assert kernel.config.fused_merge == (auto > 1)
+        two = ab.launched_kernel(op, B, B, L, num_splits=4, fused_merge=False)
+        assert two.config == AttentionConfig(num_splits=4, decode_only=True)
+        autos.add(auto)
+    assert autos >= {1, 4, 32}  # one-split and split rows both
+    lay = layout(op, AttentionConfig(decode_only=True), "sm_90")
+    assert sweep.unit_slots(op) == 132 * lay.blocks_per_sm * lay.decode_groups
+    prefill = ab.launched_kernel(op, 4 * 4096, 4, 4096, num_splits=1)
+    assert prefill.config == AttentionConfig(item_queue=True)  # the Hopper path takes the item queue
 
 
 def _variants_run(sweep, names, date="2026-12-01") -> dict:
@@ -206,11 +224,13 @@ def _variants_run(sweep, names, date="2026-12-01") -> dict:
 
 def test_variant_sweep_rerenders_a_run_and_times_the_launched_ops(tmp_path, monkeypatch):
     """bench/variant_sweep.py: --rerender rebuilds the table (and chart) from a run, an earlier one drawn behind
-    it; its ops are the ones paged_attention() launches for each geometry (decode-only at the auto split, the
-    prefill op)."""
+    it; its kernels are the ones attention.plan() launches for each geometry (decode-only at the auto split, the
+    prefill kernel)."""
     import json
 
-    from uacompile.targets.cuda import attention
+    from uacompile.targets.cuda.config import AttentionConfig
+    from uacompile.targets.cuda.layout import uses_wgmma
+    from uacompile.targets.cuda.plan import choose_splits
 
     monkeypatch.syspath_prepend(str(BENCH))
     sweep = importlib.import_module("variant_sweep")
@@ -231,14 +251,17 @@ def test_variant_sweep_rerenders_a_run_and_times_the_launched_ops(tmp_path, monk
         assert (tmp_path / "out" / "variants-2026-12-01.png").stat().st_size > 20_000
     for v in sweep.VARIANTS:
         decode, splits, prefill = sweep.launched_ops(v)
-        assert decode.decode_only and decode.num_splits == splits and not prefill.decode_only
-        assert splits == attention.launch_splits(v.op(), sweep.DECODE_B, sweep.DECODE_B, v.decode_len())
-        assert v.decode_len() % v.p == 0 and prefill.item_queue == attention.uses_wgmma(prefill)
-    assert all(attention.uses_wgmma(sweep.launched_ops(v)[2]) for v in sweep.VARIANTS)  # page 1 included
+        assert decode.op == prefill.op == v.op()
+        assert decode.config.decode_only and decode.config.num_splits == splits and not prefill.config.decode_only
+        assert prefill.config.num_splits == 1
+        assert splits == choose_splits(v.op(), AttentionConfig(decode_only=True), sweep.DECODE_B, sweep.DECODE_B,
+                                       v.decode_len())
+        assert v.decode_len() % v.p == 0 and prefill.config.item_queue == uses_wgmma(prefill.op, prefill.config)
+    assert all(uses_wgmma(k.op, k.config) for k in (sweep.launched_ops(v)[2] for v in sweep.VARIANTS))  # page 1 too
 
 
 def test_variant_sweep_takes_another_wgmma_tile(monkeypatch, tmp_path):
-    """--wg-tile W=BNxST overrides attention.WG_TILE for a run (a next tile to measure, e.g. D 64 at 192 positions),
+    """--wg-tile W=BNxST overrides layout.WG_TILE for a run (a next tile to measure, e.g. D 64 at 192 positions),
     refuses a malformed or impossible one, and the report says which tiles ran."""
     monkeypatch.syspath_prepend(str(BENCH))
     sweep = importlib.import_module("variant_sweep")
@@ -249,3 +272,22 @@ def test_variant_sweep_takes_another_wgmma_tile(monkeypatch, tmp_path):
     meta = dict(_variants_run(sweep, ["d64", "base"]), wg_tile={"64": "192x4"})
     assert "Hopper prefill tiles changed for this run (row width: positions x stages): 64: 192x4." in \
         sweep.report(meta, tmp_path, "v")
+
+
+def test_serving_benchmark_runs_end_to_end_on_a_toy_model(tmp_path):
+    """bench/serving_gpu.py on the CPU with --tiny: the runtime and HF rows of a workload, the floors, the JSON's
+    fields the issue names, the table and the plot."""
+    pytest.importorskip("transformers")
+    res = subprocess.run([sys.executable, str(BENCH / "serving_gpu.py"), "--tiny", "--device", "cpu", "--out",
+                          str(tmp_path), "--impls", "uacompile-ua,hf-sdpa", "--workloads", "conc-2"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    meta = json.loads(next(tmp_path.glob("serving-*.json")).read_text())
+    assert {"gpu", "date", "model", "rows"} <= set(meta)
+    assert [(r["workload"], r["impl"]) for r in meta["rows"]] == [("conc-2", "uacompile-ua"), ("conc-2", "hf-sdpa")]
+    for r in meta["rows"]:
+        for k in ("ttft_mean_s", "ttft_p99_s", "tpot_ms", "output_tok_s", "ttft_floor_s", "tpot_floor_ms"):
+            assert r[k] > 0, (k, r)
+    assert next(tmp_path.glob("serving-*.md")).read_text().count("| conc-2 |") == 2
+    if importlib.util.find_spec("matplotlib"):
+        assert next(tmp_path.glob("serving-*.png")).stat().st_size > 10_000

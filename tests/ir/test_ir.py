@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from uacompile import IRError, reference as R, testing as U
-from uacompile.ir import (OPS, CopyBlocks, Kernel, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, TensorSpec,
-                          c_signature, cffi_cdef, describe, op_from_dict)
+from uacompile.ir import (DTYPES, OPS, CopyBlocks, Kernel, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks,
+                          TensorSpec, c_signature, cffi_cdef, describe, from_torch, itemsize, op_from_dict, torch_dtype)
 from uacompile.lower.config import TVMConfig
 from uacompile.program import Program, dead_op_elimination, run_reference, validate
 
@@ -109,8 +109,8 @@ def test_params_follow_options():
     assert "positions" in names(ReshapeAndCache(8, 64, rope=True))
 
 
-def attention_program(hints, window=0):
-    p = Program(hints=hints)
+def attention_program(window=0):
+    p = Program()
     for n, dt, s in [("q", "bf16", ("T", 32, 128)), ("kc", "bf16", ("N", 16, 8, 128)), ("vc", "bf16", ("N", 16, 8, 128)),
                      ("ts", "int32", ("T",)), ("pt", "int32", ("S", "M")), ("tl", "int32", ("T",))]:
         p.add_tensor(n, dt, s)
@@ -121,29 +121,29 @@ def attention_program(hints, window=0):
 
 
 def test_validate_rejects_mismatches():
-    p = attention_program({})
+    p = attention_program()
     p.add_tensor("bad_q", "fp16", ("T", 32, 128))
     with pytest.raises(IRError, match=r"\.q\.dtype"):
         p.add_op(PagedAttention(32, 8, 128, 16, "bf16", "bf16"), q="bad_q", k_cache="kc", v_cache="vc",
                  token_seq="ts", page_table="pt", token_kv_len="tl")
         validate(p)
-    p = attention_program({})
+    p = attention_program()
     p.add_tensor("q2", "bf16", ("T", 16, 128))
     p.add_op(PagedAttention(32, 8, 128, 16, "bf16", "bf16"), q="q2", k_cache="kc", v_cache="vc",
              token_seq="ts", page_table="pt", token_kv_len="tl")
     with pytest.raises(IRError, match=r"\.q\.shape"):
         validate(p)
     with pytest.raises(IRError, match="not bound"):
-        attention_program({}).add_op(MergeState(32, 128, 2), out="o")
+        attention_program().add_op(MergeState(32, 128, 2), out="o")
     with pytest.raises(IRError, match="written by several ops"):
-        p = attention_program({})
+        p = attention_program()
         p.add_op(PagedAttention(32, 8, 128, 16, "bf16", "bf16"), q="q", k_cache="kc", v_cache="vc",
                  token_seq="ts", page_table="pt", token_kv_len="tl", out="o")
         validate(p)
 
 
 def test_dead_op_elimination_drops_unused_ops():
-    p = attention_program({})
+    p = attention_program()
     p.add_tensor("kv", "fp16", ("L", 2, "N", 16, 8, 128))
     p.add_tensor("map", "int64", ("K", 2))
     p.add_op(CopyBlocks(8, 128, 16, "fp16"), kv="kv", mapping="map")
@@ -185,3 +185,25 @@ def test_in_place_updates_are_versions():
     want = R.paged_attention(attend, by_hand["q"], by_hand["k_cache"], by_hand["v_cache"], by_hand["token_seq"],
                              by_hand["page_table"], by_hand["token_kv_len"])[0]
     np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+def test_dtype_table_names_resolve_with_its_sizes():
+    """ir.DTYPES is the one dtype table: each entry's numpy and torch dtypes exist and hold its
+    itemsize (fp8 travels as bytes in C and TIR), and from_torch inverts torch_dtype."""
+    torch = pytest.importorskip("torch")
+    for name, d in DTYPES.items():
+        assert d.name == name
+        assert d.numpy_dtype().itemsize == d.itemsize == itemsize(name)
+        assert torch.empty((), dtype=torch_dtype(name)).element_size() == d.itemsize
+        assert from_torch(torch_dtype(name)) == name
+        assert d.c and d.tir
+    assert DTYPES["fp8_e4m3"].c == "uint8_t" and DTYPES["fp8_e4m3"].tir == "uint8"
+    assert from_torch(torch.uint8) is None and from_torch(torch.complex64) is None
+
+
+def test_ir_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, uacompile.ir as ir; ir.DTYPES['bf16'].numpy_dtype(); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

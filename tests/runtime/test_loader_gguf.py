@@ -17,7 +17,7 @@ from model_helpers import hf_greedy, hf_logits, make_hf_model, runtime_logits  #
 
 from uacompile.runtime import LLM, SamplingParams  # noqa: E402
 from uacompile.runtime.loader import load  # noqa: E402
-from uacompile.runtime.tokenizer import gguf_tokenizer  # noqa: E402
+from uacompile.runtime.tokenizer import IncrementalDecoder, gguf_tokenizer  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
@@ -25,6 +25,7 @@ TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)
 ROLES = ("embed_tokens", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONTROL, USER_DEFINED, NORMAL = 3, 4, 1  # gguf.TokenType
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 CORPUS = ["Hello world, this is a tiny corpus for a tiny tokenizer.",
           "The quick brown fox jumps over the lazy dog. I'm sure they'll see it; we've done it.",
           "naïve café résumé — Ünïcödé 東京 日本語 emoji 🚀🙂 numbers 12345 67890",
@@ -113,6 +114,7 @@ def write_gguf(path, model, gguf_arch: str, first_type: int, vocab: dict | None 
         w.add_bos_token_id(0)
         w.add_eos_token_id(eos if eos is not None else 0)
         w.add_add_bos_token(False)
+        w.add_chat_template(CHAT_TEMPLATE)
     want = {}
     for hf_name, t in model.state_dict().items():
         x = t.float().numpy()
@@ -254,6 +256,7 @@ def test_bpe_tokenizer_matches_transformers(bpe_fields, hf_tokenizer, pre):
     else:
         ref = hf_tokenizer
     assert tok.vocab_size == len(ref) and not tok.add_bos and tok.eos_token_ids == (2,)
+    assert (tok.chat_template, tok.bos_token, tok.eos_token) == (CHAT_TEMPLATE, "<|endoftext|>", "<|im_end|>")
     for text in TEXTS:
         ids = ref.encode(text, add_special_tokens=True)
         assert tok.encode(text) == ids, text
@@ -262,6 +265,11 @@ def test_bpe_tokenizer_matches_transformers(bpe_fields, hf_tokenizer, pre):
     assert tok.decode(tok.encode("<|im_end|>x<tool_call>")) == "x<tool_call>"  # special skipped, added kept
     if pre == "qwen2":  # NFC first: a decomposed accent encodes as the composed one
         assert tok.encode("cafe\u0301") == tok.encode("caf\u00e9")
+    ids = tok.encode("x 東京 🚀 unseen Ωμέγα")  # characters outside the vocab: several byte tokens each
+    dec = IncrementalDecoder(tok, ids[:1])
+    pieces = [dec.add([t]) for t in ids[1:]]
+    assert "" in pieces and all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == tok.decode(ids)[1:]
 
 
 PRE_SPLITS = {  # "I'M HTTPServer 1234567 x" as each pre-tokenizer splits it

@@ -92,3 +92,62 @@ def test_cuda_outputs_do_not_depend_on_batching(one_at_a_time_cuda, config):
     assert got == want
     if config in ("recompute", "swap"):
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("config", ["batched", "continuous", "no-prefix-cache", "recompute", "swap"])
+def test_cuda_graphs_give_the_eager_tokens(checkpoints, config):
+    """Decode steps replayed from CUDA graphs give the greedy tokens of the same engine run eagerly: batch sizes
+    1 to 9 (buckets 1, 2, 4, 8, 16 with padding rows), prefix-cache hits, preemption by recompute and by swap."""
+    _, path = checkpoints["qwen3"]
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((5, 23, 1, 40, 11, 7, 30, 2, 17))]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    kw = {"page_size": 16, "num_pages": 256, "max_model_len": 256, **GPU_CONFIGS[config]}
+    eager = LLM(str(path), device="cuda", cuda_graphs=False, **kw)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    graphed = LLM(str(path), device="cuda", **kw)
+    got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
+    assert graphed.engine.executor.graphs.replays > 0 and eager.engine.executor.graphs is None
+    assert got == want
+
+
+def test_cuda_graph_inputs_follow_each_step(checkpoints, rng):
+    """The graphs read their inputs from static buffers: a second batch (other prompts, other pages, other
+    lengths) through the same engine gives what a fresh eager engine gives, so no replay sees stale page tables."""
+    _, path = checkpoints["llama"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    graphed = LLM(str(path), device="cuda", page_size=16, num_pages=128, max_model_len=256)
+    for n in (3, 6):
+        prompts = [rng.integers(3, 512, size=int(rng.integers(1, 60))).tolist() for _ in range(n)]
+        got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
+        eager = LLM(str(path), device="cuda", page_size=16, num_pages=128, max_model_len=256, cuda_graphs=False)
+        assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+
+
+def test_cuda_engine_prepares_every_kernel_before_serving(checkpoints, monkeypatch):
+    """Start-up builds or loads every kernel a step within the engine's limits may launch: serving afterwards
+    never builds (a build would go through loader.load)."""
+    from uacompile.targets.cuda import loader
+
+    _, path = checkpoints["llama"]
+    llm = LLM(str(path), device="cuda", page_size=16, num_pages=64, max_model_len=512, max_num_seqs=8)
+
+    def no_build(*a, **k):
+        raise AssertionError("a kernel was built while serving")
+
+    monkeypatch.setattr(loader, "load", no_build)
+    monkeypatch.setattr("uacompile.targets.cuda.api.load", no_build)
+    prompts = [list(range(3, 3 + n)) for n in (500, 1, 77, 260, 9, 33, 128, 64)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+
+
+def test_cuda_default_kv_pool_is_sized_from_the_profile(checkpoints):
+    """Without num_pages the pool takes gpu_memory_utilization of the device less the weights and the largest
+    step's activations (runtime/memory.py); an impossible fraction is a clear error."""
+    _, path = checkpoints["llama"]
+    llm = LLM(str(path), device="cuda", max_model_len=512, gpu_memory_utilization=0.5)
+    prof = llm.engine.memory
+    assert prof.kv_budget > 0 and prof.weights > 0 and prof.activation > 0
+    assert llm.engine.scheduler.config.max_num_batched_tokens == 8192
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(str(path), device="cuda", max_model_len=512, gpu_memory_utilization=1.5)

@@ -12,9 +12,9 @@ cells of other sequences and positions outside the token's range: llama.cpp's co
 """
 from __future__ import annotations
 
-from ..ir import Kernel, PagedAttention
+from ..ir import DTYPES, Kernel, PagedAttention
 from .config import splits_of
-from .tvm_kernels import ALIGN, TIR_DTYPE, lanes_for, load_f32, merge_row_macro, neg_inf, transform_score
+from .tvm_tir import ALIGN, lanes_for, load_f32, merge_row_macro, neg_inf, transform_score
 
 
 def paged_attention(kernel: Kernel, gpu: bool):
@@ -46,7 +46,7 @@ def _with_buffers(op: PagedAttention, S: int, body):
     from tvm.script import tirx as T
 
     Hq, Hkv, D, P = op.num_q_heads, op.num_kv_heads, op.head_dim, op.page_size
-    qdt, kvdt = TIR_DTYPE[op.q_dtype], TIR_DTYPE[op.kv_dtype]
+    qdt, kvdt = DTYPES[op.q_dtype].tir, DTYPES[op.kv_dtype].tir
 
     @T.prim_func
     def kernel(q_h: T.handle, kc_h: T.handle, vc_h: T.handle, ts_h: T.handle, pt_h: T.handle, kl_h: T.handle,
@@ -78,7 +78,7 @@ def _cpu(op: PagedAttention, S: int, fused: bool):
     from tvm.script import tirx as T
 
     Hq, D, P, G = op.num_q_heads, op.head_dim, op.page_size, op.group_size
-    qdt, kvd = TIR_DTYPE[op.q_dtype], op.kv_dtype
+    qdt, kvd = DTYPES[op.q_dtype].tir, op.kv_dtype
     LN = 8 if D % 8 == 0 else (4 if D % 4 == 0 else 1)  # dot-product lanes (fp32 partial sums)
     quant, unified, with_lse = op.quantized, op.variant == "unified_masked", op.return_lse
     scale, NEG = op.sm_scale, neg_inf()
@@ -191,7 +191,7 @@ def _cuda(op: PagedAttention, S: int, fused: bool):
     from tvm.script import tirx as T
 
     Hq, D, P, G = op.num_q_heads, op.head_dim, op.page_size, op.group_size
-    qdt, kvd = TIR_DTYPE[op.q_dtype], op.kv_dtype
+    qdt, kvd = DTYPES[op.q_dtype].tir, op.kv_dtype
     TX = lanes_for(D)  # lanes per row of D
     VEC = D // TX  # elements per lane
     NY = 128 // TX  # lane groups per block, each over interleaved KV positions

@@ -71,38 +71,25 @@ def cpu_kernel(op) -> "CpuKernel":
 
 @dataclass
 class CpuKernel:
+    """Binds through uacompile.binding's host binder, then hands the TVM function the views it
+    takes: fp8 as its raw bytes (uint8), bf16 numpy arrays as zero-copy torch views (numpy's
+    DLPack has no bf16)."""
+
     op: OpSpec
     path: Path
     cache_hit: bool  # whether the library came from the cache (False: built in this process)
     fn: object = field(repr=False)
 
     def __post_init__(self):
-        self._binder = ArgBinder(self.op)
-
-    def __call__(self, **args) -> None:
-        self.fn(*self._binder(args))
-
-
-def bind_args(op: OpSpec, args: dict) -> list:
-    """Check keyword args against op.params() and return them in order, ready for the TVM function."""
-    return ArgBinder(op)(args)
-
-
-class ArgBinder:
-    """uacompile.binding's host checks, then the views the TVM function takes: fp8 as its raw
-    bytes (uint8), bf16 numpy arrays as zero-copy torch views (numpy's DLPack has no bf16)."""
-
-    def __init__(self, op: OpSpec):
-        self.op = op
-        self.binder = host_binder(op)
+        self.binder = host_binder(self.op)
         self.viewed = [(i, p.dtype) for i, p in enumerate(self.binder.tensor_specs) if p.dtype in ("fp8_e4m3", "bf16")]
 
-    def __call__(self, args: dict) -> list:
+    def __call__(self, **args) -> None:
         tensors, sizes = self.binder(args)
         for i, dtype in self.viewed:
             if tensors[i] is not None:
                 tensors[i] = _tvm_view(dtype, tensors[i])
-        return tensors + sizes
+        self.fn(*tensors, *sizes)
 
 
 def _tvm_view(dtype: str, x):
@@ -119,4 +106,4 @@ def _tvm_view(dtype: str, x):
     return x
 
 
-__all__ = ["cpu_kernel", "CpuKernel", "ArgBinder", "bind_args", "build_cpu_library", "cpu_cache_key", "cpu_target"]
+__all__ = ["cpu_kernel", "CpuKernel", "build_cpu_library", "cpu_cache_key", "cpu_target"]

@@ -6,8 +6,8 @@ lanes collapse to one (TX = 1), so the same body runs with no shuffles.
 """
 from __future__ import annotations
 
-from ..ir import QMAX, CopyBlocks, MergeState, ReshapeAndCache, SwapBlocks
-from .tvm_kernels import ALIGN, TIR_DTYPE, lanes_for, merge_row_macro, quantize_f32
+from ..ir import DTYPES, QMAX, CopyBlocks, MergeState, ReshapeAndCache, SwapBlocks
+from .tvm_tir import ALIGN, lanes_for, merge_row_macro, quantize_f32
 
 FULL = 0xFFFFFFFF
 COPY_THREADS = 128
@@ -28,7 +28,7 @@ def reshape_and_cache(op: ReshapeAndCache, gpu: bool):
     from tvm.script import tirx as T
 
     Hkv, D, P = op.num_kv_heads, op.head_dim, op.page_size
-    in_dt, kvdt, kvd = TIR_DTYPE[op.dtype], TIR_DTYPE[op.kv_dtype], op.kv_dtype
+    in_dt, kvdt, kvd = DTYPES[op.dtype].tir, DTYPES[op.kv_dtype].tir, op.kv_dtype
     TX = lanes_for(D) if gpu else 1
     VEC, NSH = D // TX, TX.bit_length() - 1
     quant, rope = op.quantized, op.rope
@@ -106,7 +106,7 @@ def _page_copy(op, gpu: bool, swap: bool):
     from tvm.script import tirx as T
 
     Hkv, D, P = op.num_kv_heads, op.head_dim, op.page_size
-    kvdt, quant = TIR_DTYPE[op.kv_dtype], op.quantized
+    kvdt, quant = DTYPES[op.kv_dtype].tir, op.quantized
     E, ES = P * Hkv * D, P * Hkv  # elements of one page of KV / of scales
     NT = COPY_THREADS if gpu else 1
     grid_x, grid_y, lanes = _loops(gpu)
@@ -176,7 +176,7 @@ def merge_state(op: MergeState, gpu: bool):
     def kernel(op_h: T.handle, lp_h: T.handle, out_h: T.handle, lse_h: T.handle, num_tokens: T.int64):
         o_partial = T.match_buffer(op_h, (S, num_tokens, H, D), "float32", align=ALIGN)
         lse_partial = T.match_buffer(lp_h, (S, num_tokens, H), "float32", align=ALIGN)
-        out = T.match_buffer(out_h, (num_tokens, H, D), TIR_DTYPE[op.out_dtype], align=ALIGN)
+        out = T.match_buffer(out_h, (num_tokens, H, D), DTYPES[op.out_dtype].tir, align=ALIGN)
         lse = T.match_buffer(lse_h, (num_tokens, H), "float32", align=ALIGN)
         for bt in grid_x(num_tokens):
             for h in grid_y(H):

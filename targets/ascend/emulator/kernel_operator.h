@@ -4,11 +4,14 @@
 // where the hardware silently misbehaves (DataCopy rounding a byte count down, a queue
 // used out of order, UB overflow, unsynchronised scalar/vector access) the emulator
 // throws ua_emu::Error with a one-line reason instead. Where the public description is
-// vague we pick the stricter reading and say so next to the code.
+// vague we pick the stricter reading and say so next to the code. The documented contract
+// it enforces (queue buffers per position, event IDs, the A2 Cast table, Reciprocal's
+// accuracy, ...) is listed with its sources in targets/ascend/README.md.
 #pragma once
 
 #include <cmath>
 #include <deque>
+#include <map>
 #include <limits>
 #include <type_traits>
 
@@ -193,10 +196,29 @@ namespace detail {
 // A queue owns `num` equal buffers. A buffer is free, held (allocated or dequeued), or
 // queued. Misuse is an error: Alloc with every buffer taken, EnQue beyond the depth or of
 // a foreign tensor, DeQue of an empty queue, Free of a queued/free buffer, leaks at exit.
+// Event IDs: a freed buffer keeps an event ID of its queue's "buffer free again" event
+// (VECIN: V_MTE2, VECOUT: MTE3_V, VECIN->VECOUT: MTE3_MTE2) until it is allocated again,
+// so a position holds at most kEventIds buffers (TQue docs, "TQue Buffer limit").
+inline int take_event_id(int event, const char* api) {
+    auto& b = ua_emu::block();
+    for (int id = 0; id < ua_emu::kEventIds; ++id)
+        if (!(b.held[event] & (1u << id))) {
+            b.held[event] |= static_cast<uint8_t>(1u << id);
+            return id;
+        }
+    throw ua_emu::Error(ua_emu::format("%s: no free event ID (all %d of HardEvent #%d are held by freed queue buffers or "
+                                       "AllocEventID): more buffers on one position than the hardware has event IDs",
+                                       api, ua_emu::kEventIds, event));
+}
+inline void give_event_id(int event, int id) { ua_emu::block().held[event] &= static_cast<uint8_t>(~(1u << id)); }
+
 class QueueBase {
   public:
-    // `handover`: the hazard a DeQue clears (data produced before EnQue is visible after it).
-    QueueBase(int32_t depth, int handover) : depth_(depth), handover_(handover) {}
+    // `handover`: the hazard a DeQue clears (data produced before EnQue is visible after it);
+    // `position`: where the buffers count (TPosition as int); `free_event`: the HardEvent a
+    // freed buffer holds an ID of.
+    QueueBase(int32_t depth, int handover, int position, int free_event)
+        : depth_(depth), handover_(handover), position_(position), free_event_(free_event) {}
     QueueBase(const QueueBase&) = delete;
     QueueBase& operator=(const QueueBase&) = delete;
     ~QueueBase() {
@@ -211,6 +233,8 @@ class QueueBase {
         for (auto& s : slots_)
             if (s.state == kFree) {
                 s.state = kHeld;
+                if (s.event_id >= 0) give_event_id(free_event_, s.event_id);  // the wait on the free event
+                s.event_id = -1;
                 return LocalTensor<T>(reinterpret_cast<T*>(s.addr), static_cast<uint32_t>(bytes_ / sizeof(T)));
             }
         throw ua_emu::Error(ua_emu::format("TQue::AllocTensor: all %zu buffers are in use (FreeTensor missing?)", slots_.size()));
@@ -235,19 +259,22 @@ class QueueBase {
         int i = find(t.addr_, "TQue::FreeTensor");
         UA_EMU_CHECK(slots_[i].state == kHeld, "TQue::FreeTensor: tensor is %s",
                      slots_[i].state == kQueued ? "still queued (DeQue it first)" : "already free (double free)");
+        slots_[i].event_id = take_event_id(free_event_, "TQue::FreeTensor");
         slots_[i].state = kFree;
     }
     void init(std::vector<uint8_t*> addrs, uint32_t bytes) {
-        for (auto* a : addrs) slots_.push_back({a, kFree});
+        for (auto* a : addrs) slots_.push_back({a, kFree, -1});
         bytes_ = bytes;
     }
     bool initialised() const { return !slots_.empty(); }
+    int position() const { return position_; }
 
   private:
     enum State { kFree, kHeld, kQueued };
     struct Slot {
         uint8_t* addr;
         State state;
+        int event_id;  // held while free after a FreeTensor, else -1
     };
     int find(const void* p, const char* api) const {
         for (size_t i = 0; i < slots_.size(); ++i)
@@ -256,6 +283,8 @@ class QueueBase {
     }
     int32_t depth_;
     int handover_;
+    int position_;
+    int free_event_;
     uint32_t bytes_ = 0;
     std::vector<Slot> slots_;
     std::deque<int> fifo_;
@@ -272,14 +301,22 @@ constexpr int handover(TPosition src, TPosition dst) {
 }  // namespace detail
 
 // VECIN: DataCopy in, vector ops out (MTE2 -> V); VECOUT: vector ops in, DataCopy out (V -> MTE3).
+namespace detail {
+constexpr int free_event(TPosition src, TPosition dst) {
+    return src == TPosition::VECIN && dst == TPosition::VECOUT ? static_cast<int>(HardEvent::MTE3_MTE2)
+           : src == TPosition::VECIN                          ? static_cast<int>(HardEvent::V_MTE2)
+                                                              : static_cast<int>(HardEvent::MTE3_V);
+}
+}  // namespace detail
 template <TPosition pos, int32_t depth = 1> class TQue : public detail::QueueBase {
   public:
-    TQue() : QueueBase(depth, detail::handover(pos, pos)) {}
+    TQue() : QueueBase(depth, detail::handover(pos, pos), static_cast<int>(pos), detail::free_event(pos, pos)) {}
 };
-// A queue between two positions (VECIN -> VECOUT: GM -> UB -> GM copies, MTE2 -> MTE3).
+// A queue between two positions (VECIN -> VECOUT: GM -> UB -> GM copies, MTE2 -> MTE3); its
+// buffers count on the source position.
 template <TPosition src, TPosition dst, int32_t depth = 1> class TQueBind : public detail::QueueBase {
   public:
-    TQueBind() : QueueBase(depth, detail::handover(src, dst)) {}
+    TQueBind() : QueueBase(depth, detail::handover(src, dst), static_cast<int>(src), detail::free_event(src, dst)) {}
 };
 
 template <TPosition pos = TPosition::VECCALC> class TBuf {
@@ -297,16 +334,34 @@ template <TPosition pos = TPosition::VECCALC> class TBuf {
     uint32_t bytes_ = 0;
 };
 
-// Carves this core's UB into queue buffers and TBufs; everything must fit in 192 KB.
+using TEventID = int8_t;
+namespace detail {
+inline const char* event_name(HardEvent e) {
+    static const char* names[] = {"MTE2_V", "V_MTE2", "MTE3_V", "V_MTE3", "MTE2_MTE3", "MTE3_MTE2",
+                                  "S_V",    "V_S",    "MTE2_S", "S_MTE2", "MTE3_S",    "S_MTE3"};
+    return names[static_cast<int>(e)];
+}
+// IDs 6 and 7 are not the kernel's: 6 is reserved by the system, 7 is used by the
+// TPipe's automatic synchronisation (SetFlag/WaitFlag docs, constraints).
+constexpr int kUserEventIds = 6;
+}  // namespace detail
+
+// Carves this core's UB into queue buffers and TBufs: everything within the UB less the
+// scratch reserve, at most 8 queue buffers per TPosition, at most 64 buffers in all.
+// Hands out event IDs for SetFlag/WaitFlag (FetchEventID, AllocEventID/ReleaseEventID).
 class TPipe {
   public:
     TPipe() {
         auto& b = ua_emu::block();
         UA_EMU_CHECK(!b.pipe_active, "a second TPipe in one kernel instance");
         b.pipe_active = true;
+        b.pipe = this;
     }
     ~TPipe() {
-        if (ua_emu::tls_block) ua_emu::tls_block->pipe_active = false;
+        if (ua_emu::tls_block) {
+            ua_emu::tls_block->pipe_active = false;
+            ua_emu::tls_block->pipe = nullptr;
+        }
     }
     TPipe(const TPipe&) = delete;
     TPipe& operator=(const TPipe&) = delete;
@@ -314,6 +369,13 @@ class TPipe {
     void InitBuffer(detail::QueueBase& que, uint8_t num, uint32_t len) {
         UA_EMU_CHECK(!que.initialised(), "TPipe::InitBuffer: queue initialised twice");
         UA_EMU_CHECK(num >= 1 && len > 0, "TPipe::InitBuffer: num (%u) and len (%u) must be > 0", num, len);
+        int& at = per_position_[que.position()];
+        UA_EMU_CHECK(at + num <= ua_emu::kMaxQueBuffersPerPos,
+                     "TPipe::InitBuffer: %d queue buffers on one TPosition (#%d), the hardware has %d event IDs per "
+                     "position and each freed buffer holds one (TQue buffer limit)",
+                     at + num, que.position(), ua_emu::kMaxQueBuffersPerPos);
+        at += num;
+        count_buffers(num);
         uint32_t each = static_cast<uint32_t>(detail::round32(len));
         std::vector<uint8_t*> addrs;
         for (int i = 0; i < num; ++i) addrs.push_back(take(each));
@@ -322,23 +384,66 @@ class TPipe {
     template <TPosition p> void InitBuffer(TBuf<p>& buf, uint32_t len) {
         UA_EMU_CHECK(buf.addr_ == nullptr, "TPipe::InitBuffer: TBuf initialised twice");
         UA_EMU_CHECK(len > 0, "TPipe::InitBuffer: len must be > 0");
+        count_buffers(1);
         buf.bytes_ = static_cast<uint32_t>(detail::round32(len));
         buf.addr_ = take(buf.bytes_);
     }
     void Destroy() {}
     uint32_t UsedBytes() const { return used_; }
 
+    // An event ID free right now (not held by a queue buffer or AllocEventID); not reserved.
+    TEventID FetchEventID(HardEvent e) {
+        auto& b = ua_emu::block();
+        const int ev = static_cast<int>(e);
+        for (int id = 0; id < detail::kUserEventIds; ++id)
+            if (!(b.held[ev] & (1u << id))) {
+                b.issued[ev] |= static_cast<uint8_t>(1u << id);
+                return static_cast<TEventID>(id);
+            }
+        throw ua_emu::Error(ua_emu::format("FetchEventID<%s>: every event ID is held", detail::event_name(e)));
+    }
+    template <HardEvent e> TEventID FetchEventID() { return FetchEventID(e); }
+    // An event ID held until ReleaseEventID.
+    template <HardEvent e> TEventID AllocEventID() {
+        TEventID id = FetchEventID(e);
+        ua_emu::block().held[static_cast<int>(e)] |= static_cast<uint8_t>(1u << id);
+        return id;
+    }
+    template <HardEvent e> void ReleaseEventID(TEventID id) {
+        auto& b = ua_emu::block();
+        const int ev = static_cast<int>(e);
+        UA_EMU_CHECK(id >= 0 && id < ua_emu::kEventIds && (b.held[ev] & (1u << id)),
+                     "ReleaseEventID<%s>(%d): the ID was not allocated", detail::event_name(e), id);
+        b.held[ev] &= static_cast<uint8_t>(~(1u << id));
+    }
+
   private:
+    void count_buffers(int n) {
+        buffers_ += n;
+        UA_EMU_CHECK(buffers_ <= ua_emu::kMaxBuffersPerKernel,
+                     "TPipe::InitBuffer: %d buffers in one kernel, at most %d are allowed", buffers_,
+                     ua_emu::kMaxBuffersPerKernel);
+    }
     uint8_t* take(uint32_t bytes) {
-        UA_EMU_CHECK(uint64_t(used_) + bytes <= ua_emu::kUbBytes,
-                     "UB overflow: InitBuffer of %u B brings this core to %llu B, the Unified Buffer holds %u B", bytes,
-                     static_cast<unsigned long long>(uint64_t(used_) + bytes), ua_emu::kUbBytes);
+        UA_EMU_CHECK(uint64_t(used_) + bytes <= ua_emu::kUbUsable,
+                     "UB overflow: InitBuffer of %u B brings this core to %llu B, the Unified Buffer holds %u B of which "
+                     "%u B stay free as API scratch",
+                     bytes, static_cast<unsigned long long>(uint64_t(used_) + bytes), ua_emu::kUbBytes,
+                     ua_emu::kUbScratchReserve);
         uint8_t* p = ua_emu::block().ub + used_;
         used_ += bytes;
         return p;
     }
     uint32_t used_ = 0;
+    int buffers_ = 0;
+    std::map<int, int> per_position_;
 };
+
+inline TPipe* GetTPipePtr() {
+    auto* p = static_cast<TPipe*>(ua_emu::block().pipe);
+    UA_EMU_CHECK(p != nullptr, "GetTPipePtr: no TPipe in this kernel");
+    return p;
+}
 
 // ------------------------------------------------------------------ data movement
 struct DataCopyParams {  // lengths and gaps in 32 B blocks
@@ -561,11 +666,27 @@ UA_EMU_SCALAR(Mins, a < s ? a : s)
         detail::unary(#NAME, dst, src, count, [](float a) { return EXPR; });                     \
     }
 UA_EMU_UNARY(Exp, std::exp(a))
-UA_EMU_UNARY(Ln, std::log(a))
 UA_EMU_UNARY(Sqrt, std::sqrt(a))
-UA_EMU_UNARY(Reciprocal, 1.0f / a)
 UA_EMU_UNARY(Abs, std::fabs(a))
 #undef UA_EMU_UNARY
+
+// Ln of 0 or a negative number has no documented result on A2: rejected.
+template <typename T> void Ln(const LocalTensor<T>& dst, const LocalTensor<T>& src, int32_t count) {
+    static_assert(std::is_same_v<detail::calc_t<T>, float>, "Ln: floating-point types only");
+    for (int32_t i = 0; i < count && i < static_cast<int32_t>(src.GetSize()); ++i)
+        UA_EMU_CHECK(!(static_cast<float>(src.addr_[i]) <= 0.0f),
+                     "Ln: input %d is %g; Ln of a value <= 0 is undocumented on A2 (write -inf on the scalar unit)", i,
+                     static_cast<double>(static_cast<float>(src.addr_[i])));
+    detail::unary("Ln", dst, src, count, [](float a) { return std::log(a); });
+}
+
+// Reciprocal is documented as less accurate than the 1e-4 (float) / 1e-3 (half) relative
+// criterion ("use Div where accuracy matters"): the emulator returns 1/x off by that bound.
+template <typename T> void Reciprocal(const LocalTensor<T>& dst, const LocalTensor<T>& src, int32_t count) {
+    static_assert(std::is_same_v<detail::calc_t<T>, float>, "Reciprocal: floating-point types only");
+    constexpr float rel = sizeof(T) == 4 ? 1e-4f : 1e-3f;
+    detail::unary("Reciprocal", dst, src, count, [](float a) { return (1.0f / a) * (1.0f + rel); });
+}
 
 template <typename T> void Duplicate(const LocalTensor<T>& dst, detail::scalar_t<T> scalar, int32_t count) {
     UA_EMU_CHECK(count >= 0, "Duplicate: count must be >= 0");
@@ -576,20 +697,54 @@ template <typename T> void Duplicate(const LocalTensor<T>& dst, detail::scalar_t
 
 // ------------------------------------------------------------------ Cast
 namespace detail {
-template <typename D, typename S> constexpr bool cast_supported() {
+// The Atlas A2 Cast table (Cast docs, "Atlas A2 ... supported data type combinations"):
+// for each (src, dst) the round modes it accepts, as a bit mask over RoundMode. 0 = the
+// pair is not in the table. int32 -> half ignores the mode and needs SetDeqScale.
+constexpr uint32_t bit(RoundMode m) { return 1u << static_cast<int>(m); }
+constexpr uint32_t kNone = bit(RoundMode::CAST_NONE);
+constexpr uint32_t kDirected = bit(RoundMode::CAST_RINT) | bit(RoundMode::CAST_FLOOR) | bit(RoundMode::CAST_CEIL) |
+                               bit(RoundMode::CAST_ROUND) | bit(RoundMode::CAST_TRUNC);
+constexpr uint32_t kAny = 0xFFu;
+template <typename D, typename S> constexpr uint32_t cast_modes() {
     using std::is_same_v;
-    return (is_same_v<D, float> && (is_same_v<S, half> || is_same_v<S, bfloat16_t> || is_same_v<S, int32_t>)) ||
-           (is_same_v<D, half> && (is_same_v<S, float> || is_same_v<S, int32_t> || is_same_v<S, int8_t> ||
-                                   is_same_v<S, uint8_t> || is_same_v<S, int16_t>)) ||
-           (is_same_v<D, bfloat16_t> && is_same_v<S, float>) ||
-           (is_same_v<D, int32_t> && (is_same_v<S, float> || is_same_v<S, half>)) ||
-           (is_same_v<D, int8_t> && is_same_v<S, half>) || (is_same_v<D, uint8_t> && is_same_v<S, half>) ||
-           (is_same_v<D, int16_t> && is_same_v<S, half>);
+    if constexpr (is_same_v<S, int8_t> || is_same_v<S, uint8_t>) return is_same_v<D, half> ? kNone : 0;
+    else if constexpr (is_same_v<S, int16_t>) return is_same_v<D, half> ? kDirected | kNone : is_same_v<D, float> ? kNone : 0;
+    else if constexpr (is_same_v<S, half>) {
+        if constexpr (is_same_v<D, int8_t> || is_same_v<D, uint8_t>) return kDirected | kNone;
+        else if constexpr (is_same_v<D, int16_t> || is_same_v<D, int32_t>) return kDirected;
+        else return is_same_v<D, float> ? kNone : 0;
+    } else if constexpr (is_same_v<S, bfloat16_t>) return is_same_v<D, int32_t> ? kDirected : is_same_v<D, float> ? kNone : 0;
+    else if constexpr (is_same_v<S, int32_t>) {
+        if constexpr (is_same_v<D, int16_t> || is_same_v<D, int64_t>) return kNone;
+        else if constexpr (is_same_v<D, half>) return kAny;
+        else return is_same_v<D, float> ? kDirected | kNone : 0;
+    } else if constexpr (is_same_v<S, float>) {
+        if constexpr (is_same_v<D, half>) return kAny;
+        else if constexpr (is_same_v<D, int16_t> || is_same_v<D, bfloat16_t> || is_same_v<D, int32_t> ||
+                           is_same_v<D, float> || is_same_v<D, int64_t>) return kDirected;
+        else return 0;
+    } else if constexpr (is_same_v<S, int64_t>) return is_same_v<D, int32_t> ? kNone : is_same_v<D, float> ? kDirected : 0;
+    else return 0;
+}
+inline const char* mode_name(RoundMode m) {
+    static const char* names[] = {"CAST_NONE", "CAST_RINT", "CAST_FLOOR", "CAST_CEIL", "CAST_ROUND", "CAST_TRUNC", "CAST_ODD"};
+    return names[static_cast<int>(m)];
+}
+template <typename T> constexpr const char* type_name() {
+    if constexpr (std::is_same_v<T, float>) return "float";
+    else if constexpr (std::is_same_v<T, half>) return "half";
+    else if constexpr (std::is_same_v<T, bfloat16_t>) return "bfloat16_t";
+    else if constexpr (std::is_same_v<T, int8_t>) return "int8_t";
+    else if constexpr (std::is_same_v<T, uint8_t>) return "uint8_t";
+    else if constexpr (std::is_same_v<T, int16_t>) return "int16_t";
+    else if constexpr (std::is_same_v<T, int32_t>) return "int32_t";
+    else return "int64_t";
 }
 template <typename T> struct Format;  // significand bits (with the hidden one), min / max exponent
 template <> struct Format<half> { static constexpr int p = 11, emin = -14, emax = 15; };
 template <> struct Format<bfloat16_t> { static constexpr int p = 8, emin = -126, emax = 127; };
 template <> struct Format<float> { static constexpr int p = 24, emin = -126, emax = 127; };
+template <> struct Format<double> { static constexpr int p = 53, emin = -1022, emax = 1023; };
 
 inline double round_integral(double s, RoundMode m) {
     switch (m) {
@@ -642,14 +797,25 @@ template <typename S> double to_double(S v) {
 }
 }  // namespace detail
 
-// Lossless conversions ignore the mode; lossy ones round by it (CAST_NONE = CAST_RINT).
-// Float -> integer saturates; CAST_ODD is defined for float -> half only.
+// int32 -> half Cast scale (the mode is ignored for that pair; the scale must be set).
+inline void SetDeqScale(half scale) {
+    auto& b = ua_emu::block();
+    b.deq_scale_set = true;
+    b.deq_scale = static_cast<float>(scale);
+}
+
+// Only the pairs and round modes of the A2 table. Lossless conversions ignore the mode;
+// lossy ones round by it (CAST_NONE = CAST_RINT). Float -> integer saturates.
 template <typename D, typename S>
 void Cast(const LocalTensor<D>& dst, const LocalTensor<S>& src, RoundMode mode, uint32_t count) {
-    static_assert(detail::cast_supported<D, S>(), "Cast: conversion pair not in the emulated subset (ASCENDC.md)");
+    static_assert(detail::cast_modes<D, S>() != 0, "Cast: conversion pair not in the Atlas A2 Cast table");
     const char* api = "Cast";
-    UA_EMU_CHECK(mode != RoundMode::CAST_ODD || (std::is_same_v<D, half> && std::is_same_v<S, float>),
-                 "Cast: CAST_ODD is only defined for float -> half");
+    constexpr uint32_t modes = detail::cast_modes<D, S>();
+    UA_EMU_CHECK(modes & detail::bit(mode), "Cast %s -> %s: %s is not in the A2 Cast table for this pair",
+                 detail::type_name<S>(), detail::type_name<D>(), detail::mode_name(mode));
+    constexpr bool deq = std::is_same_v<S, int32_t> && std::is_same_v<D, half>;
+    if constexpr (deq)
+        UA_EMU_CHECK(ua_emu::block().deq_scale_set, "Cast int32_t -> half: needs SetDeqScale(half) first (the mode is ignored)");
     detail::check_local(dst, count, api, "dst");
     detail::check_local(src, count, api, "src");
     if constexpr (sizeof(D) == sizeof(S)) {
@@ -661,7 +827,12 @@ void Cast(const LocalTensor<D>& dst, const LocalTensor<S>& src, RoundMode mode, 
     detail::VectorOp op{api};
     op.in(src.addr_, count * sizeof(S), "src");
     op.out(dst.addr_, count * sizeof(D), "dst");
-    for (uint32_t i = 0; i < count; ++i) dst.addr_[i] = detail::convert<D>(detail::to_double(src.addr_[i]), mode);
+    if constexpr (deq) {
+        const double scale = ua_emu::block().deq_scale;
+        for (uint32_t i = 0; i < count; ++i) dst.addr_[i] = detail::convert<D>(detail::to_double(src.addr_[i]) * scale, mode);
+    } else {
+        for (uint32_t i = 0; i < count; ++i) dst.addr_[i] = detail::convert<D>(detail::to_double(src.addr_[i]), mode);
+    }
 }
 
 // ------------------------------------------------------------------ reductions
@@ -725,10 +896,18 @@ void ReduceSum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const Local
 
 // ------------------------------------------------------------------ synchronisation
 namespace detail {
-inline const char* event_name(HardEvent e) {
-    static const char* names[] = {"MTE2_V", "V_MTE2", "MTE3_V", "V_MTE3", "MTE2_MTE3", "MTE3_MTE2",
-                                  "S_V",    "V_S",    "MTE2_S", "S_MTE2", "MTE3_S",    "S_MTE3"};
-    return names[static_cast<int>(e)];
+// SetFlag/WaitFlag IDs (docs, constraints): 0-7 on A2; 6 and 7 are not the kernel's; with a
+// TPipe the ID comes from FetchEventID/AllocEventID for the same HardEvent.
+inline void check_event_id(const char* api, HardEvent e, int32_t id) {
+    UA_EMU_CHECK(id >= 0 && id < ua_emu::kEventIds, "%s<%s>(%d): event id must be in [0, 8)", api, event_name(e), id);
+    UA_EMU_CHECK(id < kUserEventIds, "%s<%s>(%d): event IDs 6 and 7 are reserved (6 system, 7 TPipe automatic sync)", api,
+                 event_name(e), id);
+    auto& b = ua_emu::block();
+    if (b.pipe)
+        UA_EMU_CHECK(b.issued[static_cast<int>(e)] & (1u << id),
+                     "%s<%s>(%d): event ID not issued by the TPipe (take it from GetTPipePtr()->FetchEventID or "
+                     "AllocEventID; a hard-coded ID can collide with the queues' and the compiler's own)",
+                     api, event_name(e), id);
 }
 }  // namespace detail
 
@@ -739,11 +918,14 @@ template <pipe_t p> inline void PipeBarrier() {
         for (int h = 0; h < ua_emu::kNumHazards; ++h) detail::clear(static_cast<ua_emu::Hazard>(h));
 }
 template <HardEvent e> inline void SetFlag(int32_t id) {
-    UA_EMU_CHECK(id >= 0 && id < 8, "SetFlag<%s>(%d): event id must be in [0, 8)", detail::event_name(e), id);
-    ++ua_emu::block().flags[static_cast<int>(e) * 8 + id];
+    detail::check_event_id("SetFlag", e, id);
+    int& n = ua_emu::block().flags[static_cast<int>(e) * 8 + id];
+    UA_EMU_CHECK(n == 0, "SetFlag<%s>(%d) twice without a WaitFlag in between (undefined; hangs at the next barrier)",
+                 detail::event_name(e), id);
+    ++n;
 }
 template <HardEvent e> inline void WaitFlag(int32_t id) {
-    UA_EMU_CHECK(id >= 0 && id < 8, "WaitFlag<%s>(%d): event id must be in [0, 8)", detail::event_name(e), id);
+    detail::check_event_id("WaitFlag", e, id);
     auto& b = ua_emu::block();
     int& n = b.flags[static_cast<int>(e) * 8 + id];
     UA_EMU_CHECK(n > 0, "WaitFlag<%s>(%d) without a matching SetFlag (would hang)", detail::event_name(e), id);

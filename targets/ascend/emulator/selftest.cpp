@@ -1,9 +1,11 @@
 // Self-tests of the emulator's documented edge semantics and of its rejections. Each
 // st_* entry runs a tiny kernel through ICPU_RUN_KF on caller buffers and returns 0, or
-// 1 with the emulator's message in st_last_error(). tests/test_ascend_emulator.py checks
+// 1 with the emulator's message in st_last_error(). tests/targets/ascend/test_ascend_emulator.py checks
 // the results against numpy; this file only drives the API.
+#include <cmath>
 #include <string>
 
+#include "acl/acl.h"
 #include "kernel_operator.h"
 
 using namespace AscendC;
@@ -171,8 +173,9 @@ int st_reduce(int which, float* in, int64_t n, float* out)
             LocalTensor<float> r = res.Get<float>();
             if (which == 0) ReduceMax(r, x, tmp.Get<float>(), (int32_t)n, true);
             else ReduceSum(r, x, tmp.Get<float>(), (int32_t)n);
-            SetFlag<HardEvent::V_S>(0);
-            WaitFlag<HardEvent::V_S>(0);
+            const TEventID id = pipe.FetchEventID(HardEvent::V_S);
+            SetFlag<HardEvent::V_S>(id);
+            WaitFlag<HardEvent::V_S>(id);
             out[0] = r.GetValue(0);
             out[1] = which == 0 ? (float)r.ReinterpretCast<uint32_t>().GetValue(1) : 0.0f;
             inq.FreeTensor(x);
@@ -248,7 +251,7 @@ int st_negative(const char* name)
                 q.FreeTensor(t);
             }
             if (c == "leak") q.AllocTensor<float>();
-            if (c == "waitflag_unset") WaitFlag<HardEvent::V_S>(0);
+            if (c == "waitflag_unset") WaitFlag<HardEvent::V_S>(pipe.FetchEventID(HardEvent::V_S));
             if (c == "reduce_tmp_small") ReduceSum(y, x, y[1000], 64);
             if (c == "hazard_v_v") {
                 Duplicate(x, 1.0f, 64);
@@ -277,12 +280,194 @@ int st_negative(const char* name)
                 Duplicate(x, 1.0f, 64);
                 PipeBarrier<PIPE_V>();
                 Add(y, x, x, 64);
+                const TEventID id = pipe.FetchEventID(HardEvent::V_S);
+                SetFlag<HardEvent::V_S>(id);
+                WaitFlag<HardEvent::V_S>(id);
+                (void)y.GetValue(3);
+                TEventID held = pipe.AllocEventID<HardEvent::S_V>();
+                SetFlag<HardEvent::S_V>(held);
+                WaitFlag<HardEvent::S_V>(held);
+                pipe.ReleaseEventID<HardEvent::S_V>(held);
+            }
+            // ---- the contract rules of the TPipe, events, Cast and vector accuracy
+            if (c == "ub_scratch_reserve") {  // fits the 192 KB UB but not the UB less its 8 KB scratch
+                TBuf<TPosition::VECCALC> big;
+                pipe.InitBuffer(big, 190000);
+            }
+            if (c == "event_id_literal") {  // what the templates did: SetFlag(0) with an ID the pipe never issued
                 SetFlag<HardEvent::V_S>(0);
                 WaitFlag<HardEvent::V_S>(0);
-                (void)y.GetValue(3);
+            }
+            if (c == "event_id_reserved") {  // ID 7 belongs to the TPipe's automatic synchronisation
+                SetFlag<HardEvent::V_S>(7);
+                WaitFlag<HardEvent::V_S>(7);
+            }
+            if (c == "setflag_twice") {
+                const TEventID id = pipe.FetchEventID(HardEvent::V_S);
+                SetFlag<HardEvent::V_S>(id);
+                SetFlag<HardEvent::V_S>(id);
+            }
+            if (c == "setflag_unwaited") SetFlag<HardEvent::V_S>(pipe.FetchEventID(HardEvent::V_S));
+            if (c == "cast_bf16_none") {  // float -> bfloat16_t has no CAST_NONE on A2
+                Cast(y.ReinterpretCast<bfloat16_t>(), x, RoundMode::CAST_NONE, 64);
+            }
+            if (c == "cast_i32_none") Cast(y.ReinterpretCast<int32_t>(), x, RoundMode::CAST_NONE, 64);
+            if (c == "cast_i32_half_no_deqscale") Cast(y.ReinterpretCast<half>(), x.ReinterpretCast<int32_t>(), RoundMode::CAST_NONE, 64);
+            if (c == "cast_i32_half_deqscale") {  // the control: with SetDeqScale the pair is valid
+                Duplicate(x.ReinterpretCast<int32_t>(), 3, 64);
+                PipeBarrier<PIPE_V>();
+                SetDeqScale((half)0.5f);
+                Cast(y.ReinterpretCast<half>(), x.ReinterpretCast<int32_t>(), RoundMode::CAST_NONE, 64);
+                PipeBarrier<PIPE_V>();
+                const TEventID id = pipe.FetchEventID(HardEvent::V_S);
+                SetFlag<HardEvent::V_S>(id);
+                WaitFlag<HardEvent::V_S>(id);
+                UA_EMU_CHECK((float)y.ReinterpretCast<half>().GetValue(5) == 1.5f, "int32 -> half ignored the DeqScale");
+            }
+            if (c == "ln_zero") {  // what the templates did for an empty split: Ln(0)
+                Duplicate(x, 0.0f, 8);
+                PipeBarrier<PIPE_V>();
+                Ln(y, x, 8);
             }
         },
         {{gm, sizeof(gm), "gm"}});
+}
+
+// Queue and buffer limits: each case sets up its own pipe.
+int st_queue_limits(const char* name)
+{
+    const std::string c = name;
+    return guarded(
+        [&] {
+            TPipe pipe;
+            if (c == "attention_int8_queues") {  // the int8-KV attention layout the templates had: 9 VECIN buffers
+                TQue<TPosition::VECIN, 1> q;
+                TQue<TPosition::VECIN, 2> k, v, ks, vs;
+                pipe.InitBuffer(q, 1, 512);
+                pipe.InitBuffer(k, 2, 1024);
+                pipe.InitBuffer(v, 2, 1024);
+                pipe.InitBuffer(ks, 2, 512);
+                pipe.InitBuffer(vs, 2, 512);
+            }
+            if (c == "attention_int8_queues_fixed") {  // both scales in one queue: 7 VECIN buffers
+                TQue<TPosition::VECIN, 1> q;
+                TQue<TPosition::VECIN, 2> k, v, scales;
+                pipe.InitBuffer(q, 1, 512);
+                pipe.InitBuffer(k, 2, 1024);
+                pipe.InitBuffer(v, 2, 1024);
+                pipe.InitBuffer(scales, 2, 1024);
+            }
+            if (c == "event_id_held_until_alloc") {  // 8 buffers, but an AllocEventID holds one V_MTE2 ID
+                TQue<TPosition::VECIN, 1> q[8];
+                for (auto& one : q) pipe.InitBuffer(one, 1, 256);
+                TEventID id = pipe.AllocEventID<HardEvent::V_MTE2>();
+                (void)id;
+                for (auto& one : q) one.FreeTensor(one.AllocTensor<float>());  // the 8th freed buffer finds no ID
+            }
+            if (c == "event_id_freed_on_alloc") {  // the control: a freed buffer gives its ID back when reallocated
+                TQue<TPosition::VECIN, 1> q[8];
+                for (auto& one : q) pipe.InitBuffer(one, 1, 256);
+                for (int round = 0; round < 3; ++round)
+                    for (auto& one : q) one.FreeTensor(one.AllocTensor<float>());
+            }
+            if (c == "buffers_per_kernel") {
+                static TBuf<TPosition::VECCALC> bufs[65];
+                for (auto& b : bufs) b.addr_ = nullptr;
+                for (auto& b : bufs) pipe.InitBuffer(b, 32);
+            }
+        },
+        {});
+}
+
+// Soft-cap of n scores: cap - 2 cap / (exp(2 s / cap) + 1), the +1 reciprocal by Reciprocal
+// (which = 0, what the templates did) or by Div (which = 1).
+int st_softcap(int which, float* in, float* out, int64_t n, float cap)
+{
+    return guarded(
+        [&] {
+            through_ub(in, n, out, n, (uint32_t)(n * 4),
+                       [&](GlobalTensor<float>& g, LocalTensor<float>& t) { DataCopy(t, g, (uint32_t)n); },
+                       [&](GlobalTensor<float>& g, LocalTensor<float>& t) {
+                           TBuf<TPosition::VECCALC> wb, cb;
+                           GetTPipePtr()->InitBuffer(wb, (uint32_t)(n * 4));
+                           GetTPipePtr()->InitBuffer(cb, (uint32_t)(n * 4));
+                           LocalTensor<float> w = wb.Get<float>(), k = cb.Get<float>();
+                           PipeBarrier<PIPE_ALL>();  // the scores have landed
+                           Muls(w, t, 2.0f / cap, (int32_t)n);
+                           Duplicate(k, -2.0f * cap, (int32_t)n);
+                           PipeBarrier<PIPE_V>();
+                           Exp(w, w, (int32_t)n);
+                           PipeBarrier<PIPE_V>();
+                           Adds(w, w, 1.0f, (int32_t)n);
+                           PipeBarrier<PIPE_V>();
+                           if (which == 0) {
+                               Reciprocal(w, w, (int32_t)n);
+                               PipeBarrier<PIPE_V>();
+                               Muls(w, w, -2.0f * cap, (int32_t)n);
+                           } else {
+                               Div(w, k, w, (int32_t)n);
+                           }
+                           PipeBarrier<PIPE_V>();
+                           Adds(t, w, cap, (int32_t)n);
+                           PipeBarrier<PIPE_ALL>();
+                           DataCopy(g, t, (uint32_t)n);
+                       });
+        },
+        {{in, (size_t)n * 4, "in"}, {out, (size_t)n * 4, "out"}});
+}
+
+// The tiling upload the launchers had: slots sizeof(tiling) = 40 B apart (slot = 1 here),
+// or 64 B apart; returns 0 when aclrtMemcpyAsync accepted the copy.
+int st_tiling_slot(int64_t stride, int64_t slot)
+{
+    try {
+        uint8_t *dev = nullptr, *host = nullptr;
+        if (aclrtMalloc((void**)&dev, 64 * 64, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_SUCCESS) return 2;
+        if (aclrtMallocHost((void**)&host, 64 * 64) != ACL_SUCCESS) return 2;
+        std::memset(host, 0, 64 * 64);
+        const aclError rc = aclrtMemcpyAsync(dev + slot * stride, 40, host + slot * stride, 40, ACL_MEMCPY_HOST_TO_DEVICE, nullptr);
+        aclrtFree(dev);
+        aclrtFreeHost(host);
+        return rc == ACL_SUCCESS ? 0 : 2;
+    } catch (const std::exception& e) {
+        g_error = e.what();
+        return 1;
+    }
+}
+
+// ICPU_RUN_KF over n int64 slots: every block writes its index at out[idx] and into a global
+// the other processes never see. gmalloc = 0 passes the caller's buffer (what the launchers
+// did), 1 a GmAlloc copy (what CANN requires). Returns how many blocks saw the global set.
+namespace {
+int64_t g_private = 0;
+void ua_selftest_kernel(GM_ADDR out)
+{
+    GlobalTensor<int64_t> g;
+    g.SetGlobalBuffer((__gm__ int64_t*)out, GetBlockNum());
+    g.SetValue(GetBlockIdx(), GetBlockIdx() + g_private);
+    g_private = 1000;  // stays in this block's process
+}
+}  // namespace
+
+int st_icpu_run(int64_t* out, int64_t blocks, int gmalloc)
+{
+    try {
+        g_private = 0;
+        ua_emu::GmScope scope{{out, (size_t)blocks * 8, "out"}};
+        if (gmalloc) {
+            uint8_t* g = (uint8_t*)AscendC::GmAlloc((size_t)blocks * 8);
+            ICPU_RUN_KF(ua_selftest_kernel, blocks, g);
+            std::memcpy(out, g, (size_t)blocks * 8);
+            AscendC::GmFree(g);
+        } else {
+            uint8_t* g = (uint8_t*)out;
+            ICPU_RUN_KF(ua_selftest_kernel, blocks, g);
+        }
+        return g_private == 0 ? 0 : 3;  // a block's global write must not reach the host
+    } catch (const std::exception& e) {
+        g_error = e.what();
+        return 1;
+    }
 }
 
 }  // extern "C"

@@ -1,6 +1,10 @@
 """The AscendC emulator's own semantics: documented edge cases against numpy, and the
-rule violations it must reject (see targets/ascend/emulator/selftest.cpp)."""
+rule violations it must reject (see targets/ascend/emulator/selftest.cpp). Each contract
+rule of targets/ascend/README.md has a small kernel here that breaks it and is rejected;
+where the generated kernels used to break a rule, that kernel is the old pattern."""
 from __future__ import annotations
+
+import subprocess
 
 import cffi
 import ml_dtypes
@@ -23,6 +27,10 @@ int st_cast_f32_bf16(float*, uint16_t*, int64_t, int);
 int st_cast_f32_i32(float*, int32_t*, int64_t, int);
 int st_block_ids(int64_t*, int64_t);
 int st_negative(const char*);
+int st_queue_limits(const char*);
+int st_softcap(int, float*, float*, int64_t, float);
+int st_tiling_slot(int64_t, int64_t);
+int st_icpu_run(int64_t*, int64_t, int);
 """
 MODES = ["none", "rint", "floor", "ceil", "round", "trunc", "odd"]  # RoundMode order
 POISON_F32 = np.uint32(0xFFFFFFFF)
@@ -260,6 +268,16 @@ NEGATIVE = {
     "hazard_mte2_v": "VECIN queue",
     "hazard_v_mte3": "VECOUT queue",
     "partial_overlap": "partially overlap",
+    # the documented contract (README.md, "Rules the emulator enforces")
+    "ub_scratch_reserve": "stay free as API scratch",
+    "event_id_literal": "not issued by the TPipe",
+    "event_id_reserved": "reserved",
+    "setflag_twice": "twice without a WaitFlag",
+    "setflag_unwaited": "without a WaitFlag before the kernel ends",
+    "cast_bf16_none": "CAST_NONE is not in the A2 Cast table",
+    "cast_i32_none": "CAST_NONE is not in the A2 Cast table",
+    "cast_i32_half_no_deqscale": "needs SetDeqScale",
+    "ln_zero": "undocumented on A2",
 }
 
 
@@ -270,6 +288,95 @@ def test_rule_violations_are_rejected(emu, case):
     assert NEGATIVE[case] in msg, msg
 
 
-def test_the_synchronised_control_program_passes(emu):
-    rc, msg = call(emu, "st_negative", b"ok")
+@pytest.mark.parametrize("case", ["ok", "cast_i32_half_deqscale"])
+def test_the_synchronised_control_programs_pass(emu, case):
+    rc, msg = call(emu, "st_negative", case.encode())
     assert rc == 0, msg
+
+
+# ---------------------------------------------------------------- queue and buffer limits
+def test_nine_vecin_buffers_of_the_old_int8_attention_are_rejected(emu):
+    """q 1 + k 2 + v 2 + k_scale 2 + v_scale 2 = 9 buffers on VECIN: one more than A2's 8 event IDs."""
+    rc, msg = call(emu, "st_queue_limits", b"attention_int8_queues")
+    assert rc == 1 and "9 queue buffers on one TPosition" in msg, msg
+    rc, msg = call(emu, "st_queue_limits", b"attention_int8_queues_fixed")
+    assert rc == 0, msg
+
+
+def test_a_freed_buffer_holds_its_event_id_until_reallocated(emu):
+    rc, msg = call(emu, "st_queue_limits", b"event_id_held_until_alloc")
+    assert rc == 1 and "no free event ID" in msg, msg
+    rc, msg = call(emu, "st_queue_limits", b"event_id_freed_on_alloc")
+    assert rc == 0, msg
+
+
+def test_more_than_64_buffers_per_kernel_are_rejected(emu):
+    rc, msg = call(emu, "st_queue_limits", b"buffers_per_kernel")
+    assert rc == 1 and "65 buffers in one kernel" in msg, msg
+
+
+# ---------------------------------------------------------------- Reciprocal accuracy
+def test_reciprocal_softcap_misses_the_fp16_tolerance_and_div_meets_it(emu, rng):
+    """The old soft-cap took 1/(e+1) by Reciprocal; at its documented error (1e-4 relative for
+    float) times 2 cap = 60 the scores move by ~6e-3, beyond the fp16 tolerance."""
+    ffi, _ = emu
+    cap = 30.0
+    x = (rng.standard_normal(256) * 20).astype(np.float32)
+    want = cap * np.tanh(x.astype(np.float64) / cap)
+    errs = []
+    for which in (0, 1):
+        out = np.zeros_like(x)
+        rc, msg = call(emu, "st_softcap", which, ptr(ffi, x, "float*"), ptr(ffi, out, "float*"), len(x), cap)
+        assert rc == 0, msg
+        errs.append(float(np.max(np.abs(out - want))))
+    assert errs[0] > 2e-3 and errs[1] < 1e-4, errs
+
+
+# ---------------------------------------------------------------- aclrtMemcpyAsync alignment
+def test_tiling_slots_sizeof_apart_break_the_64_byte_memcpy_rule(emu):
+    """The old launcher's slot 1 of a 40 B tiling struct starts 40 B in: rejected; 64 B slots pass."""
+    rc, msg = call(emu, "st_tiling_slot", 40, 1)
+    assert rc == 1 and "64-byte aligned" in msg, msg
+    rc, msg = call(emu, "st_tiling_slot", 64, 1)
+    assert rc == 0, msg
+
+
+# ---------------------------------------------------------------- ICPU_RUN_KF
+def test_icpu_run_kf_rejects_caller_memory_the_old_cpu_launcher_passed(emu):
+    ffi, _ = emu
+    out = np.full(5, -1, np.int64)
+    rc, msg = call(emu, "st_icpu_run", ptr(ffi, out, "int64_t*"), 5, 0)
+    assert rc == 1 and "not GmAlloc memory" in msg, msg
+    assert (out == -1).all()
+
+
+def test_icpu_run_kf_runs_a_process_per_block_over_gmalloc_memory(emu):
+    """Every block's GM write comes back; a block's write to a global stays in its process."""
+    ffi, _ = emu
+    out = np.full(5, -1, np.int64)
+    rc, msg = call(emu, "st_icpu_run", ptr(ffi, out, "int64_t*"), 5, 1)
+    assert rc == 0, msg
+    np.testing.assert_array_equal(out, np.arange(5))
+
+
+# ---------------------------------------------------------------- compile-time rules
+def _compile(tmp_path, body: str) -> subprocess.CompletedProcess:
+    (tmp_path / "t.cpp").write_text('#include "acl/acl.h"\n#include "kernel_operator.h"\nusing namespace AscendC;\n' + body)
+    return subprocess.run([build.CXX, *build.STD, "-fsyntax-only", "-Wall", "-Werror", f"-I{EMULATOR_DIR}", "t.cpp"],
+                          cwd=tmp_path, capture_output=True, text=True)
+
+
+def test_a_cast_pair_outside_the_a2_table_does_not_build(tmp_path):
+    bad = _compile(tmp_path, "void f(LocalTensor<half> d, LocalTensor<bfloat16_t> s) { Cast(d, s, RoundMode::CAST_RINT, 64); }\n")
+    assert bad.returncode != 0 and "not in the Atlas A2 Cast table" in bad.stderr
+    ok = _compile(tmp_path, "void f(LocalTensor<half> d, LocalTensor<float> s) { Cast(d, s, RoundMode::CAST_RINT, 64); }\n")
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_ignoring_the_launch_status_does_not_build(tmp_path):
+    """The old launcher dropped ACLRT_LAUNCH_KERNEL's status; with -Werror that no longer builds."""
+    kernel = "extern \"C\" __global__ __aicore__ void k(GM_ADDR x) { (void)x; }\n"
+    bad = _compile(tmp_path, kernel + "void f(uint8_t* x) { ACLRT_LAUNCH_KERNEL(k)(1, nullptr, x); }\n")
+    assert bad.returncode != 0 and "ignoring return value" in bad.stderr, bad.stderr
+    ok = _compile(tmp_path, kernel + "int f(uint8_t* x) { return (int)ACLRT_LAUNCH_KERNEL(k)(1, nullptr, x); }\n")
+    assert ok.returncode == 0, ok.stderr

@@ -13,7 +13,8 @@ from uacompile.lower.config import TVMConfig
 from uacompile.targets.ascend.config import AscendConfig
 from uacompile.targets.cuda.config import AttentionConfig
 from uacompile.targets.ascend import build
-from uacompile.targets.ascend.generate import ALIGN, SOCS, UB_BYTES, generate, plan, roofline_estimate
+from uacompile.targets.ascend.generate import (ALIGN, MAX_QUEUE_BUFFERS_PER_POSITION, SOCS, UB_BUDGET, UB_BYTES,
+                                               UB_SCRATCH_RESERVE, Plan, generate, plan, roofline_estimate, soc_name)
 
 VARIANTS = [
     PagedAttention(4, 4, 64, 16),
@@ -35,7 +36,8 @@ VARIANTS = [
 @pytest.mark.parametrize("soc", sorted(SOCS))
 def test_plan_fits_the_910b(op, soc):
     p = plan(op, soc)
-    assert p.ub_bytes <= UB_BYTES
+    assert p.ub_bytes <= UB_BUDGET == UB_BYTES - UB_SCRATCH_RESERVE
+    assert all(n <= MAX_QUEUE_BUFFERS_PER_POSITION for n in p.queue_buffers().values())
     assert all(b.bytes % ALIGN == 0 and b.num >= 1 for b in p.buffers.values())
     assert 1 <= p.max_block_dim <= SOCS[soc][0] <= 48
     if soc in ("Ascend910B3", "Ascend910B4") and op.kind != "swap_blocks":
@@ -72,6 +74,76 @@ def test_unknown_soc_is_rejected():
         plan(PagedAttention(4, 4, 64, 16), "Ascend310P")
 
 
+@pytest.mark.parametrize("given,name,cores", [("ascend910b2c", "Ascend910B2C", 48), ("ascend910b4-1", "Ascend910B4-1", 40),
+                                              ("ASCEND910B3", "Ascend910B3", 40), ("Ascend910B1", "Ascend910B1", 48)])
+def test_soc_names_are_cann_soc_versions_in_any_case(given, name, cores):
+    assert soc_name(given) == name
+    p = plan(PagedAttention(8, 2, 64, 16), given)
+    assert p.soc == name and p.max_block_dim == cores
+    assert f'SOC_VERSION "{name}"' in generate(PagedAttention(8, 2, 64, 16), given).files["CMakeLists.txt"]
+
+
+# ---------------------------------------------------------------- Plan.check: the emulator's limits
+def test_int8_attention_stays_within_eight_vecin_buffers():
+    p = plan(Kernel(PagedAttention(8, 1, 64, 16, kv_dtype="int8", softcap=30.0, alibi=True), AscendConfig(num_splits=4)))
+    assert p.queue_buffers() == {"VECIN": 7, "VECOUT": 4}  # q 1, k 2, v 2, scales 2 | out 2, lse 2
+    assert p.buffers["scale"].bytes == 2 * p.consts["TILE"] * ALIGN
+
+
+def test_plan_check_rejects_the_old_int8_queue_layout():
+    """The layout the int8 attention had (separate K and V scale queues) is refused by name."""
+    p = plan(PagedAttention(8, 1, 64, 16, kv_dtype="int8"))
+    del p.buffers["scale"]
+    p.add("k_scale", 16 * ALIGN, 2, "VECIN")
+    p.add("v_scale", 16 * ALIGN, 2, "VECIN")
+    with pytest.raises(IRError, match=r"buffers per position: 9 queue buffers on VECIN \(q 1, k 2, v 2, k_scale 2, "
+                                      r"v_scale 2\), over the 8 event IDs"):
+        p.check()
+
+
+def test_plan_check_names_the_ub_budget_with_its_scratch_reserve():
+    p = Plan(CopyBlocks(8, 128, 16), "Ascend910B1", 48)
+    p.add("big", UB_BUDGET - 32)
+    p.add("small", 64)  # fits the 192 KB, not the budget
+    assert p.ub_bytes <= UB_BYTES
+    with pytest.raises(IRError, match=f"UB budget: .* over the {UB_BUDGET} B .* {UB_SCRATCH_RESERVE} B scratch reserve"):
+        p.check()
+
+
+def test_plan_check_names_the_buffers_per_kernel_limit():
+    p = Plan(CopyBlocks(8, 128, 16), "Ascend910B1", 48)
+    for i in range(65):
+        p.add(f"b{i}", 32)
+    with pytest.raises(IRError, match="buffers per kernel: 65"):
+        p.check()
+
+
+def test_swap_pages_must_keep_the_64_byte_memcpy_alignment():
+    with pytest.raises(IRError, match="64 B alignment"):
+        plan(SwapBlocks(1, 24, 1))  # 48 B pages
+
+
+def test_launcher_uses_64_byte_tiling_slots_checks_the_launch_and_gmalloc_copies():
+    src = generate(PagedAttention(8, 2, 64, 16))
+    host = src.files[f"{src.symbol}_host.cpp"]
+    assert "kSlotBytes = (sizeof(" in host and "+ 63) / 64 * 64" in host
+    assert "aclrtSynchronizeEvent(g_tiling.done[slot])" in host and "aclrtRecordEvent(g_tiling.done[slot]" in host
+    assert "const uint32_t launched = ACLRT_LAUNCH_KERNEL(" in host and "if (launched != 0) return" in host
+    assert "ICPU_RUN_KF(" in host and "q_gm, k_cache_gm" in host and "gm_copy_out(out, out_gm" in host
+
+
+def test_kernels_take_event_ids_from_the_pipe_and_avoid_reciprocal_and_ln_zero():
+    for op in (Kernel(PagedAttention(8, 1, 64, 16, kv_dtype="int8", softcap=30.0, alibi=True), AscendConfig(num_splits=4)),
+               ReshapeAndCache(8, 128, 16, kv_dtype="int8")):
+        src = generate(op)
+        kernel = src.files[f"{src.symbol}_kernel.cpp"]
+        assert "FetchEventID" in kernel
+        assert "SetFlag<AscendC::HardEvent::V_S>(0)" not in kernel and "Flag<" not in kernel.replace("Flag<E>", "")
+        assert "AscendC::Reciprocal(" not in kernel
+        if op.kind == "paged_attention":  # Ln sees 1 for an empty range, whose lse is -inf written on the scalar unit
+            assert "lse_l.SetValue(h, l[h] > 0.0f ? l[h] : 1.0f)" in kernel and "lo.SetValue(h, NEG_INF)" in kernel
+
+
 def test_blockdim_cap_reaches_the_launcher():
     src = generate(PagedAttention(8, 2, 64, 16), "Ascend910B3")
     host = src.files[f"{src.symbol}_host.cpp"]
@@ -100,6 +172,7 @@ def test_cmake_project_and_metadata_say_what_is_verified():
     cmake = src.files["CMakeLists.txt"]
     for needle in ("ascendc_library(", "RUN_MODE", "cpu / sim / npu", "tikicpulib", "ascendc.cmake", "ascendcl"):
         assert needle in cmake
+    assert f"ascendc_library({src.symbol}_kernels SHARED" in cmake and "STATIC" not in cmake
     kernel = src.files[f"{src.symbol}_kernel.cpp"]
     assert '#include "kernel_operator.h"' in kernel
     assert f'extern "C" __global__ __aicore__ void {src.kernel}(' in kernel

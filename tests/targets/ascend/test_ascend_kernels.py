@@ -11,8 +11,9 @@ import pytest
 
 from uacompile import reference, testing
 from uacompile.ir import CopyBlocks, Kernel, PagedAttention, ReshapeAndCache, SwapBlocks
+from uacompile.targets.ascend.build import load
 from uacompile.targets.ascend.config import AscendConfig
-from uacompile.targets.ascend.runner import EmulatorError, load
+from uacompile.targets.ascend.runner import EmulatorError
 from uacompile.targets.ascend.verify import attention_error, bit_equal, run_attention, run_inplace
 
 # ---------------------------------------------------------------- attention

@@ -6,9 +6,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from uacompile import ir
+from uacompile.targets.cuda.config import AttentionConfig, config_of
+
 
 def cuda_api_with(ops):
-    """The CUDA call API with every op of ops built (all nvcc runs at once); skips without a GPU."""
+    """The CUDA call API with every kernel of ops (ops or ir.Kernels) built (all nvcc runs at once); skips without
+    a GPU."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -17,3 +21,18 @@ def cuda_api_with(ops):
     with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
         list(pool.map(api.kernel, ops))
     return api
+
+
+def pa_kernel(op, **config) -> ir.Kernel:
+    """The paged-attention kernel of op (an op, or a kernel whose config is kept) with these AttentionConfig
+    fields changed: pa_kernel(op, num_splits=3), pa_kernel(kernel, item_queue=True)."""
+    kernel = ir.as_kernel(op)
+    return ir.Kernel(kernel.op, config_of(kernel).replace(**config))
+
+
+def base_op(op) -> ir.PagedAttention:
+    """The op (the math) of an op or kernel."""
+    return ir.as_kernel(op).op
+
+
+__all__ = ["AttentionConfig", "base_op", "config_of", "cuda_api_with", "pa_kernel"]

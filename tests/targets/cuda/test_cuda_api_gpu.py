@@ -171,7 +171,7 @@ def _sweep():
 @pytest.fixture(scope="module")
 def candidate_libraries():
     """{candidate: library of RESHAPE + RESHAPE_ROPE built with its knobs} (parallel nvcc, one process each)."""
-    from uacompile.targets.cuda.build import default_arch
+    from uacompile.nvcc import default_arch
 
     sweep = _sweep()
     libs, failed = sweep.build_all([n for n in sweep.CANDIDATES if n != "default"], [*RESHAPE, *RESHAPE_ROPE], default_arch())
@@ -202,7 +202,7 @@ def test_reshape_sweep_candidates_match_reference(candidate_libraries, reshape_r
 
     for (op, tokens), (inp, want) in reshape_references.items():
         dev = {k: to_torch(v) for k, v in inp.items() if isinstance(v, np.ndarray)}
-        api.CudaKernel(op, library=candidate_libraries[name])(**dev)
+        api.CudaKernel(_sweep().candidate_kernel(name, op), library=candidate_libraries[name])(**dev)
         torch.cuda.synchronize()
         try:
             check_reshape(op, dev, want)
@@ -254,7 +254,7 @@ def test_merge_state_matches_reference(op, rng):
     inp["lse_partial"][:, 5] = -np.inf  # token 5: every split empty
     inp["o_partial"][:, 5] = 0
     ref_out, ref_lse = reference.merge_state(op, inp["o_partial"], inp["lse_partial"])
-    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[op.out_dtype]
+    tdt = ir.torch_dtype(op.out_dtype)
     out = poisoned((37, op.num_heads, op.head_dim), tdt)
     lse = poisoned((37, op.num_heads), torch.float32) if op.return_lse else None
     res = api.merge_state(to_torch(inp["o_partial"]), to_torch(inp["lse_partial"]), out, lse)

@@ -3,18 +3,23 @@
 Every case draws fresh random inputs (testing.attention_inputs: scattered page tables,
 -1 past each sequence's pages), poisons the outputs with NaN, and checks every element.
 A mixed ubatch (decode tokens, a prefill chunk, a whole prefill) is the default, so one
-launch exercises both block kinds. The CPU tests at the bottom cover the split choice and
-the template's IR checks.
+launch exercises both block kinds. A kernel is the op and its AttentionConfig (ir.Kernel); the
+call function plans one per launch (attention.plan). The CPU tests at the bottom cover the
+template's IR checks and the layout's fit.
 """
 from __future__ import annotations
 
 
 import numpy as np
 import pytest
-from cuda_helpers import cuda_api_with
+from cuda_helpers import cuda_api_with, pa_kernel
 
 from uacompile import IRError, ir, reference, testing
 from uacompile.targets.cuda import attention
+from uacompile.targets.cuda.config import AttentionConfig
+from uacompile.targets.cuda.layout import layout
+from uacompile.targets.cuda.plan import choose_config
+from uacompile.targets.cuda.render import render_op
 
 torch = pytest.importorskip("torch")
 
@@ -42,18 +47,19 @@ CASES = {
     "unified-fp16-d128-g4": PA(8, 2, 128, 16, "fp16", "fp16", variant="unified_masked", return_lse=True),
     "unified-bf16-d64-g1-p1": PA(2, 2, 64, 1, "bf16", "bf16", variant="unified_masked"),
 }
-SPLIT_CASES = {
-    "bf16-d128-g4-s3": PA(8, 2, 128, 16, "bf16", "bf16", num_splits=3),
-    "int8-window-s4": PA(8, 2, 64, 8, "fp16", "int8", window=90, num_splits=4),
+SPLIT_CASES = {  # kernels writing split-KV partials (no merge)
+    "bf16-d128-g4-s3": pa_kernel(PA(8, 2, 128, 16, "bf16", "bf16"), num_splits=3),
+    "int8-window-s4": pa_kernel(PA(8, 2, 64, 8, "fp16", "int8", window=90), num_splits=4),
 }
 CALL_OPS = [PA(32, 8, 128, 16, "bf16", "bf16", return_lse=True)]
 CALL_SPLITS = (2, 5, 11)
 
 
 def _all_ops():
-    ops = list(CASES.values()) + list(SPLIT_CASES.values())
-    for op in CALL_OPS:
-        ops += [op.replace(num_splits=s, fused_merge=True) for s in CALL_SPLITS] + [op]  # the call function's
+    ops = [pa_kernel(op) for op in CASES.values()] + list(SPLIT_CASES.values())
+    for op in CALL_OPS:  # the call function's kernels for a decode step (choose_config: decode-only)
+        ops += [pa_kernel(op, num_splits=s, fused_merge=True, decode_only=True) for s in CALL_SPLITS]
+        ops += [pa_kernel(op, decode_only=True)]
     return ops
 
 
@@ -72,13 +78,15 @@ def to_dev(a):
 
 
 def device_inputs(op, inputs: dict) -> dict:
+    """inputs on the device, those op (an op or ir.Kernel) takes."""
     names = {p.name for p in op.tensors()}
     return {k: to_dev(v) for k, v in inputs.items() if k in names}
 
 
 def reference_of(op, inputs: dict):
+    """The float64 reference of op (an op: out, lse; an ir.Kernel: what its config writes, partials or merged)."""
     names = {p.name for p in op.tensors() if p.role == "in"}
-    return reference.paged_attention(op, **{k: v for k, v in inputs.items() if k in names})
+    return reference.run(op, **{k: v for k, v in inputs.items() if k in names})
 
 
 def check_close(name, got, want, tol):
@@ -92,7 +100,9 @@ def check_close(name, got, want, tol):
 
 
 def run_kernel(api, op, rng, kv_lens, q_lens):
-    inputs = testing.attention_inputs(op, rng, kv_lens, q_lens)
+    """One launch of op's kernel (an op: the default AttentionConfig) on fresh inputs, outputs poisoned."""
+    op = pa_kernel(op)
+    inputs = testing.attention_inputs(op.op, rng, kv_lens, q_lens)
     dev = device_inputs(op, inputs)
     T = inputs["num_tokens"]
     outs = {p.name: torch.full([T if d == "num_tokens" else d for d in p.shape], float("nan"),
@@ -135,7 +145,7 @@ def test_batch_shapes(api, rng, shape):
             inputs[k] = np.ascontiguousarray(inputs[k][perm])
         dev = device_inputs(op, inputs)
         outs = {"out": torch.full_like(dev["q"], float("nan"))}
-        api.kernel(op)(**dev, **outs)
+        api.kernel(pa_kernel(op))(**dev, **outs)
         torch.cuda.synchronize()
     check_close(shape, outs["out"], reference_of(op, inputs)[0], tol_of(op))
 
@@ -145,7 +155,8 @@ def test_batch_shapes(api, rng, shape):
 def test_split_partials_match_reference(api, rng, name):
     op = SPLIT_CASES[name]
     inputs, outs = run_kernel(api, op, rng, kv_lens=[2, 300, 129, 64, 515], q_lens=[1, 45, 1, 64, 1])
-    ref_o, ref_lse = reference_of(op, inputs)
+    ref_o, ref_lse = reference_of(op, inputs)  # the kernel's partials
+    assert ref_o.ndim == 4
     check_close(f"{name}.o_partial", outs["o_partial"], ref_o, tol_of(op))
     check_close(f"{name}.lse_partial", outs["lse_partial"], ref_lse, 2 * tol_of(op))
 
@@ -170,12 +181,13 @@ def test_graph_capture_and_replay(api, rng):
     op = CALL_OPS[0].replace(return_lse=False)
     inputs = testing.attention_inputs(op, rng, [3000, 700], [1, 1])
     dev = device_inputs(op, inputs)
-    assert attention.choose_splits(op, 2, 2, dev["page_table"].shape[1] * op.page_size) > 1
+    assert choose_config(op, 2, 2, dev["page_table"].shape[1] * op.page_size).num_splits > 1
     out = torch.empty_like(dev["q"])
-    attention.paged_attention(op, **dev, out=out)  # warm-up: builds, allocates the workspace
+    ws = attention.Workspace(dev["q"].device)  # kept across calls: the capture allocates nothing
+    attention.paged_attention(op, **dev, out=out, workspace=ws)  # warm-up: builds, grows the workspace
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        attention.paged_attention(op, **dev, out=out)
+        attention.paged_attention(op, **dev, out=out, workspace=ws)
     for _ in range(2):  # fresh q and KV each replay, same buffers
         fresh = testing.attention_inputs(op, rng, [3000, 700], [1, 1])
         fresh["page_table"], fresh["num_pages"] = inputs["page_table"], inputs["num_pages"]
@@ -201,37 +213,25 @@ def test_call_errors_name_the_argument(api, rng):
         attention.paged_attention(op, **dev, num_splits=0)
 
 
-# ---------------------------------------------------------------- CPU: split choice, IR checks
-def test_split_choice_fills_the_gpu():
-    op = PA(32, 8, 128, 16, "bf16", "bf16")
-    assert attention.choose_splits(op, 1, 1, 32768) >= 16  # one long sequence: many splits
-    assert attention.choose_splits(op, 128, 128, 1024) == 1  # enough blocks already
-    assert attention.choose_splits(op, 8, 8, 16384) > 1
-    assert attention.choose_splits(op, 1, 1, 300) == 1  # too short to split
-    assert attention.choose_splits(op.replace(variant="unified_masked"), 1, 1, 32768) == 1
-    slots = attention.H200_SMS * attention.layout(op).blocks_per_sm * attention.layout(op).decode_groups
-    for T, L in [(1, 32768), (8, 16384), (32, 4096)]:
-        s = attention.choose_splits(op, T, T, L)
-        assert T * op.num_kv_heads * s <= 2 * slots
-
-
-@pytest.mark.parametrize("bad, field", [
-    (dict(q_dtype="fp32", kv_dtype="fp32"), "q_dtype"),
-    (dict(kv_dtype="fp32"), "kv_dtype"),
-    (dict(head_dim=72), "head_dim"),
-    (dict(num_q_heads=64, num_kv_heads=2), "num_q_heads"),
-    (dict(variant="unified_masked", num_splits=2), "num_splits"),
+# ---------------------------------------------------------------- CPU: IR checks, layout
+@pytest.mark.parametrize("bad, config, field", [
+    (dict(q_dtype="fp32", kv_dtype="fp32"), {}, "q_dtype"),
+    (dict(kv_dtype="fp32"), {}, "kv_dtype"),
+    (dict(head_dim=72), {}, "head_dim"),
+    (dict(num_q_heads=64, num_kv_heads=2), {}, "num_q_heads"),
+    (dict(variant="unified_masked"), dict(num_splits=2), "num_splits"),
 ])
-def test_template_rejects_what_it_does_not_cover(bad, field):
+def test_template_rejects_what_it_does_not_cover(bad, config, field):
     op = PA(**{**dict(num_q_heads=8, num_kv_heads=2, head_dim=128, q_dtype="fp16", kv_dtype="fp16"), **bad})
     with pytest.raises(IRError, match=field):
-        attention.template_context(op)
+        render_op(pa_kernel(op, **config))
 
 
 def test_layout_matches_template_check():
     """The template static_asserts smem_bytes; here: it fits the SM and two blocks fit where promised."""
     for D in (64, 80, 96, 128, 256):
         for kv in ("fp16", "int8"):
-            lay = attention.layout(PA(8, 2, D, 16, "fp16", kv))
-            assert lay.smem_bytes <= 227 * 1024
-            assert lay.blocks_per_sm >= 1
+            for config in (AttentionConfig(), AttentionConfig(decode_only=True)):
+                lay = layout(PA(8, 2, D, 16, "fp16", kv), config)
+                assert lay.smem_bytes <= 227 * 1024
+                assert lay.blocks_per_sm >= 1

@@ -235,21 +235,25 @@ def test_cache_key_follows_variant_and_arch():
 
 
 def test_sm90a_marker_selects_arch_specific_target():
-    from uacompile.targets.cuda.build import arch_flags
+    from uacompile.nvcc import arch_flags
+    from uacompile.targets.cuda.build import build_arch
     from uacompile.targets.cuda.render import SM90A_MARKER
 
-    assert arch_flags("sm_90", "int x;") == ["-arch=sm_90"]
-    assert arch_flags("sm_90", SM90A_MARKER + "\n") == ["-gencode=arch=compute_90a,code=sm_90a"]
-    assert arch_flags("sm_80", SM90A_MARKER + "\n") == ["-arch=sm_80"]
+    assert arch_flags(build_arch("sm_90", "int x;")) == ["-arch=sm_90"]
+    assert arch_flags(build_arch("sm_90", SM90A_MARKER + "\n")) == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert arch_flags(build_arch("sm_80", SM90A_MARKER + "\n")) == ["-arch=sm_80"]
     with pytest.raises(ValueError, match="arch"):
-        arch_flags("ampere", "")
+        build_arch("ampere", "")
+    with pytest.raises(ValueError, match="arch"):
+        arch_flags("sm90")
 
 
 def test_build_error_names_ops_and_keeps_source(monkeypatch):
+    from uacompile.nvcc import NvccError
     from uacompile.targets.cuda import build as build_mod
 
     monkeypatch.setattr(build_mod, "render_op", lambda op, arch: "this is not C++;\n")
-    with pytest.raises(build_mod.BuildError, match="nvcc failed for .*ua_copy_blocks_.*source kept at"):
+    with pytest.raises(NvccError, match="nvcc failed for .*ua_copy_blocks_.*source kept at"):
         build_mod.build(C(8, 16), "sm_90")
 
 
@@ -366,7 +370,7 @@ def test_an_invalid_op_in_a_design_build_comes_back_as_its_ir_error():
 def test_build_record_keeps_ptxas_performance_notes():
     """nvcc 13's ptxas reports serialised wgmma as an info line without the word "warning" (this one is from a
     real build of the fp16 D 64 item-queue op): build.json must keep it, or the guard below passes blindly."""
-    from uacompile.targets.cuda.build import compiler_warnings
+    from uacompile.nvcc import compiler_warnings
 
     c7511 = ("ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
              "insufficient register resources for the wgmma pipeline in the function '_ZN3ua6kernelE'")
@@ -541,7 +545,8 @@ def _launched_ptx(op, tmp_path, *extra) -> str:
     import subprocess
 
     from uacompile.targets.cuda import attention
-    from uacompile.targets.cuda.build import nvcc_flags, nvcc_path
+    from uacompile.nvcc import nvcc_path
+    from uacompile.targets.cuda.build import nvcc_flags
     from uacompile.targets.cuda.render import render_op
 
     src = render_op(attention.launched_op(op, 1), "sm_90")
@@ -633,7 +638,8 @@ def test_smaller_gpus_take_fewer_stages_and_fit(arch, tmp_path):
     import subprocess
 
     from uacompile.targets.cuda import attention
-    from uacompile.targets.cuda.build import nvcc_flags, nvcc_path
+    from uacompile.nvcc import nvcc_path
+    from uacompile.targets.cuda.build import nvcc_flags
     from uacompile.targets.cuda.render import render_op
 
     ops = SMALL_SMEM_OPS[arch]

@@ -1,18 +1,22 @@
-"""Split-KV with the fused merge (PagedAttention.fused_merge) against the float64 reference.
+"""Split-KV with the fused merge (AttentionConfig.fused_merge) against the float64 reference.
 
 The last split block of each (token, KV head) merges the partials in the same launch and
 leaves its counter at zero. Outputs are poisoned with NaN; every case draws fresh inputs with
-scattered page tables. The CPU tests at the bottom cover the IR parameter and the split rule.
+scattered page tables. The CPU tests at the bottom cover the kernel's parameters, the rendered
+production schedule and the split rule.
 """
 from __future__ import annotations
 
 
 import numpy as np
 import pytest
-from cuda_helpers import cuda_api_with
+from cuda_helpers import base_op, cuda_api_with, pa_kernel
 
 from uacompile import IRError, ir, reference, testing
 from uacompile.targets.cuda import attention
+from uacompile.targets.cuda.config import AttentionConfig
+from uacompile.targets.cuda.layout import H200_SMS, layout
+from uacompile.targets.cuda.plan import MAX_SPLITS, MIN_SPLIT_LEN, MANY_WAVES, WAVE_FILL_SLACK, choose_splits
 
 torch = pytest.importorskip("torch")
 from test_cuda_attention_gpu import check_close, device_inputs, to_dev  # noqa: E402
@@ -35,7 +39,9 @@ MIXED = dict(kv_lens=[37, 3000, 129, 1, 640, 2515], q_lens=[1, 45, 1, 1, 64, 1])
 
 
 def fused(op, splits):
-    return op.replace(num_splits=splits, fused_merge=True) if splits > 1 else op
+    """op's kernel (an op: the default config; a kernel keeps its config) with `splits` splits merged in the
+    same launch (one split: no merge)."""
+    return pa_kernel(op, num_splits=splits, fused_merge=True) if splits > 1 else pa_kernel(op)
 
 
 def _all_ops():
@@ -55,14 +61,15 @@ def api():
 
 
 def reference_of(op, inputs):
-    """(out, lse) of the unsplit op: what any split count must produce."""
-    names = {p.name for p in op.replace(num_splits=1, fused_merge=False).tensors() if p.role == "in"}
-    return reference.paged_attention(op.replace(num_splits=1, fused_merge=False),
-                                     **{k: v for k, v in inputs.items() if k in names})
+    """(out, lse) of the unsplit op (of an op or kernel): what any split count must produce."""
+    op = base_op(op)
+    names = {p.name for p in op.tensors() if p.role == "in"}
+    return reference.paged_attention(op, **{k: v for k, v in inputs.items() if k in names})
 
 
 def run_fused(api, op, splits, inputs, counters=None, kernel_of=None):
-    """One launch of the fused variant with poisoned outputs (kernel_of(op): a design's kernel)."""
+    """One launch of op's kernel (an op or kernel) with `splits` fused splits on poisoned outputs (kernel_of(kernel):
+    the CudaKernel, default api.kernel)."""
     dev = device_inputs(op, inputs)
     T = inputs["num_tokens"]
     if counters is None:
@@ -121,7 +128,7 @@ def test_fused_decode_matches_reference(api, rng, name, splits, lse):
     inputs = testing.attention_inputs(op, rng, DECODE_LENS)
     outs = run_and_check(api, f"{name}/s{splits}", op, splits, inputs)
     if splits > 1:
-        ref_o, ref_l = reference.paged_attention(op.replace(num_splits=splits), **{
+        ref_o, ref_l = reference.paged_attention(op, num_splits=splits, **{
             k: v for k, v in inputs.items() if k in {p.name for p in op.tensors() if p.role == "in"}})
         tol = testing.tolerance(op.q_dtype, op.kv_dtype)
         check_close("o_partial", outs["o_partial"], ref_o, tol)  # the partials keep their contract
@@ -188,8 +195,8 @@ def test_call_function_fused_and_two_launch_agree(api, rng, splits):
 @gpu
 def test_graph_replays_find_the_counters_reset(api, rng):
     """A captured fused launch replayed twice on fresh data: each replay starts from the zeroed
-    counters the previous one left behind (the warm-up on the capture stream allocates and zeroes
-    them, so the graph holds no memset of its own)."""
+    counters the previous one left behind (the warm-up on the capture stream grows the workspace, which
+    allocates and zeroes them, so the graph holds no memset of its own)."""
     from uacompile.targets.cuda import api as cuda_api
 
     op = OPS["g4-bf16-d128-p16"].replace(return_lse=True)
@@ -199,84 +206,25 @@ def test_graph_replays_find_the_counters_reset(api, rng):
     splits = 32
     out = torch.empty_like(dev["q"])
     lse = torch.empty(dev["q"].shape[:2], device="cuda")
-    stream = torch.cuda.Stream()  # warm-up (build, this stream's workspaces), then capture
-    graph = cuda_api.capture_graph([lambda: attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)],
-                                   stream=stream)
-    counters = attention._split_counters(dev["q"].device, stream.cuda_stream, len(lens), op.num_kv_heads)
+    stream = torch.cuda.Stream()  # warm-up (build, grow the workspace), then capture
+    ws = attention.Workspace(dev["q"].device)
+    graph = cuda_api.capture_graph([lambda: attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits,
+                                                                      workspace=ws)], stream=stream)
+    counters = ws.counters(len(lens), op.num_kv_heads)
     replay_on_fresh_inputs("replay", graph, op, dev, inputs, lambda: testing.attention_inputs(op, rng, lens),
                            out, lse, counters)
 
 
-# ---------------------------------------------------------------- the decode design knobs
-# attention.DESIGN_KNOBS (bench/decode_sweep.py --candidates times them); production (spec, lean, flat,
-# pdl) runs in every other test here. These are the other knob values: session 3's design, and the
-# production prologue and merge on session 3's grid. The mixed and interleaved cases make the
-# speculative guess wrong for some groups (a lone token whose rank is not its index).
-DESIGNS = {"session3": "prologue=chain,merge=fence,grid=planes,pdl=0", "spec-lean-planes": "grid=planes,pdl=0"}
+# ---------------------------------------------------------------- launches sharing workspaces in a graph
 G4 = OPS["g4-bf16-d128-p16"].replace(return_lse=True)
-DESIGN_SPLITS = (1, 7, 32)
-
-
-def _design_ops():
-    return list(dict.fromkeys([*(fused(G4, s) for s in DESIGN_SPLITS), fused(ALL_OPTIONS, 7), fused(D256, 3)]))
-
-
-@pytest.fixture(scope="module")
-def design_kernels():
-    """{design: kernel_of(op)}: each design's library, built in its own process."""
-    torch_ = pytest.importorskip("torch")
-    if not torch_.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    return attention.design_kernels(DESIGNS, _design_ops())
 
 
 @gpu
-@pytest.mark.parametrize("splits", DESIGN_SPLITS)
-@pytest.mark.parametrize("design", list(DESIGNS))
-def test_design_decode_matches_reference(design_kernels, rng, design, splits):
-    inputs = testing.attention_inputs(G4, rng, DECODE_LENS)
-    outs = run_fused(None, G4, splits, inputs, kernel_of=design_kernels[design])
-    check_outputs(f"{design}/s{splits}", G4, inputs, outs["out"], outs["lse"])
-    if splits > 1:
-        assert not outs["split_counters"].any()
-
-
-@gpu
-@pytest.mark.parametrize("case", ["mixed", "interleaved", "long"])
-@pytest.mark.parametrize("design", list(DESIGNS))
-def test_design_mixed_ubatches(design_kernels, rng, design, case):
-    if case == "mixed":
-        inputs = testing.attention_inputs(G4, rng, **MIXED)
-    elif case == "long":
-        inputs = testing.attention_inputs(G4, rng, kv_lens=[1500, 1200, 3], q_lens=[1500, 500, 3])
-    else:
-        inputs = testing.attention_inputs(G4, rng, [900, 400, 1500], [3, 3, 70])
-        perm = np.concatenate([[0, 3, 1, 4, 2, 5], 6 + np.arange(70)[::-1]])
-        for k in ("q", "token_seq", "token_kv_len"):
-            inputs[k] = np.ascontiguousarray(inputs[k][perm])
-    for splits in (1, 7):
-        outs = run_fused(None, G4, splits, inputs, kernel_of=design_kernels[design])
-        check_outputs(f"{design}/{case}/s{splits}", G4, inputs, outs["out"], outs["lse"])
-        if splits > 1:
-            assert not outs["split_counters"].any()
-
-
-@gpu
-@pytest.mark.parametrize("op, splits", [(ALL_OPTIONS, 7), (D256, 3)], ids=["int8-window-softcap-alibi", "d256"])
-@pytest.mark.parametrize("design", list(DESIGNS))
-def test_design_with_options(design_kernels, rng, design, op, splits):
-    inputs = testing.attention_inputs(op, rng, [2000, 299, 300, 301, 5, 900])
-    outs = run_fused(None, op, splits, inputs, kernel_of=design_kernels[design])
-    check_outputs(f"{design}/s{splits}", op, inputs, outs["out"], outs["lse"])
-
-
-@gpu
-@pytest.mark.parametrize("design", list(DESIGNS))
-def test_design_back_to_back_in_a_graph(design_kernels, rng, design):
-    """Three launches captured back to back sharing the partial and counter workspaces (with pdl,
+def test_back_to_back_in_a_graph(api, rng):
+    """Three launches captured back to back sharing the partial and counter workspaces (with pdl on Hopper,
     programmatic edges: each waits for the previous launch before touching memory), replayed twice."""
-    op, splits = fused(G4, 32), 32
-    kern = design_kernels[design](op)
+    splits = 32
+    kern = api.kernel(fused(G4, splits))
     lens = [6000, 700, 3000]
     cases = [testing.attention_inputs(G4, rng, lens) for _ in range(3)]
     devs = [device_inputs(G4, c) for c in cases]
@@ -296,13 +244,13 @@ def test_design_back_to_back_in_a_graph(design_kernels, rng, design):
         graph.replay()
         torch.cuda.synchronize()
         for i, (c, (o, l)) in enumerate(zip(cases, outs)):
-            check_outputs(f"{design}/graph/{i}", G4, c, o, l)
+            check_outputs(f"graph/{i}", G4, c, o, l)
         assert not counters.any()
 
 
 # ---------------------------------------------------------------- CPU: the IR parameter, the split rule
 def test_fused_merge_params_signature_and_cdef():
-    op = PA(32, 8, 128, 16, "bf16", "bf16", num_splits=4, fused_merge=True, return_lse=True)
+    op = pa_kernel(PA(32, 8, 128, 16, "bf16", "bf16", return_lse=True), num_splits=4, fused_merge=True)
     params = {p.name: p for p in op.params()}
     assert params["split_counters"].shape == ("num_tokens", 8) and params["split_counters"].dtype == "int32"
     assert params["split_counters"].role == "inout"
@@ -310,86 +258,70 @@ def test_fused_merge_params_signature_and_cdef():
     assert names[-5:] == ["o_partial", "lse_partial", "split_counters", "out", "lse"]
     assert "void* split_counters, void* out, void* lse" in ir.c_signature(op)
     assert "void* split_counters" in ir.cffi_cdef(op)
-    assert "split_counters" not in ir.c_signature(op.replace(fused_merge=False))
-    assert "out" not in [p.name for p in op.replace(fused_merge=False).tensors()]  # partials only
+    assert "split_counters" not in ir.c_signature(pa_kernel(op, fused_merge=False))
+    assert "out" not in [p.name for p in pa_kernel(op, fused_merge=False).tensors()]  # partials only
     with pytest.raises(IRError, match="fused_merge"):
-        PA(32, 8, 128, num_splits=1, fused_merge=True)
+        AttentionConfig(num_splits=1, fused_merge=True)
+    with pytest.raises(IRError, match="fused_merge"):
+        PA(32, 8, 128).params(num_splits=1, fused_merge=True)
     assert "split_counters" in ir.reference_doc()
 
 
-@pytest.mark.parametrize("design", ["", *DESIGNS.values()])
-def test_designs_render(design, monkeypatch):
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_production_schedule_renders(arch):
+    """The one schedule the template builds: the speculative prologue, the flat grid, and programmatic
+    dependent launch (griddepcontrol) where the arch has it (sm_90)."""
     from uacompile.targets.cuda.render import render_op
 
-    monkeypatch.setenv(attention.DESIGN_ENV, design)
-    knobs = attention.design_of()
-    for arch in ("sm_80", "sm_90"):
-        src = render_op(fused(G4, 7), arch)
-        assert f"constexpr bool SPEC_PROLOGUE = {'true' if knobs['prologue'] == 'spec' else 'false'};" in src
-        assert f"constexpr bool FLAT_GRID = {'true' if knobs['grid'] == 'flat' else 'false'};" in src
-        pdl = knobs["pdl"] == "1" and arch == "sm_90"  # griddepcontrol needs sm_90
-        assert ("cudaLaunchKernelEx" in src) == pdl and f"constexpr bool PDL = {'true' if pdl else 'false'};" in src
-
-
-def test_other_design_compiles(monkeypatch):
-    """CI has nvcc but no GPU: the non-production knob values (session 3's design) still build."""
-    from uacompile.targets.cuda.build import build
-
-    monkeypatch.setenv(attention.DESIGN_ENV, DESIGNS["session3"])
-    assert build([fused(G4, 7)], "sm_90").path.exists()
-
-
-def test_design_knobs_are_checked():
-    assert attention.design_of("") == {k: v[0] for k, v in attention.DESIGN_KNOBS.items()}
-    assert attention.design_of("prologue=spec, pdl=1")["prologue"] == "spec"
-    with pytest.raises(ValueError, match="design"):
-        attention.design_of("prologue=fast")
-    with pytest.raises(ValueError, match="design"):
-        attention.design_of("stages=3")
+    src = render_op(fused(G4, 7), arch)
+    assert "constexpr bool SPEC_PROLOGUE = true;" in src and "constexpr bool FLAT_GRID = true;" in src
+    pdl = arch == "sm_90"
+    assert ("cudaLaunchKernelEx" in src) == pdl and f"constexpr bool PDL = {'true' if pdl else 'false'};" in src
 
 
 def test_fused_merge_renders_the_counter_arrival():
     from uacompile.targets.cuda.render import render_op
 
-    src = render_op(PA(32, 8, 128, 16, "bf16", "bf16", num_splits=4, fused_merge=True))
+    op = PA(32, 8, 128, 16, "bf16", "bf16")
+    src = render_op(pa_kernel(op, num_splits=4, fused_merge=True))
     assert "constexpr bool FUSED_MERGE = true;" in src and "atomicAdd(counter, splits)" in src
-    assert "constexpr bool FUSED_MERGE = false;" in render_op(PA(32, 8, 128, 16, "bf16", "bf16", num_splits=4))
+    assert "constexpr bool FUSED_MERGE = false;" in render_op(pa_kernel(op, num_splits=4))
 
 
 # sm_80: an A100's 164 KB an SM hold one 102 KB block (Hopper: one block of two decode groups), half the slots
 @pytest.mark.parametrize("arch, rows", [("sm_90", [32, 4, 1, 1, 1]), ("sm_80", [16, 2, 1, 1, 1])])
 def test_split_rule_on_the_bench_rows(arch, rows):
     shapes = [(1, 32768), (8, 16384), (32, 4096), (128, 1024), (1, 300)]
-    got = [attention.choose_splits(PA(32, 8, 128, 16, "bf16", "bf16"), T, T, L, arch=arch) for T, L in shapes]
+    got = [choose_splits(PA(32, 8, 128, 16, "bf16", "bf16"), AttentionConfig(), T, T, L, arch=arch) for T, L in shapes]
     assert got == rows
 
 
-# the fastest fused split count of each row in the H200 decode_sweep --extra table (session 5)
+# the fastest fused split count of each row of the H200 decode_sweep --extra table (mixed kernel)
 @pytest.mark.parametrize("T, L, fastest", [(12, 16384, 8), (20, 8192, 8), (16, 8192, 2), (4, 16384, 8),
                                            (2, 32768, 16), (64, 2048, 1), (8, 16384, 4), (1, 32768, 32)])
 def test_split_rule_takes_the_measured_fastest(T, L, fastest):
-    assert attention.choose_splits(PA(32, 8, 128, 16, "bf16", "bf16"), T, T, L, arch="sm_90") == fastest
+    assert choose_splits(PA(32, 8, 128, 16, "bf16", "bf16"), AttentionConfig(), T, T, L, arch="sm_90") == fastest
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # Hopper: 2 decode groups a block; else 2 blocks a SM
 @pytest.mark.parametrize("T", [1, 2, 3, 5, 8, 12, 16, 20, 24, 30, 48, 100])
 @pytest.mark.parametrize("L", [1024, 4096, 16384, 65536])
 def test_split_rule_fills_waves_and_keeps_splits_long(T, L, arch):
-    op = PA(32, 8, 128, 16, "bf16", "bf16")
-    lay = attention.layout(op, arch)
-    slots = attention.H200_SMS * lay.blocks_per_sm * lay.decode_groups  # decode groups the GPU holds
+    op, config = PA(32, 8, 128, 16, "bf16", "bf16"), AttentionConfig()
+    lay = layout(op, config, arch)
+    slots = H200_SMS * lay.blocks_per_sm * lay.decode_groups  # decode groups the GPU holds
     items = T * op.num_kv_heads
 
     def fill(s):  # share of the waves' slots that (token, KV head, split) units take
         return items * s / (-(-items * s // slots) * slots)
 
-    s = attention.choose_splits(op, T, T, L, arch=arch)
-    assert 1 <= s <= attention.MAX_SPLITS and (s == 1 or L // s >= attention.MIN_SPLIT_LEN)
+    s = choose_splits(op, config, T, T, L, arch=arch)
+    assert 1 <= s <= MAX_SPLITS and (s == 1 or L // s >= MIN_SPLIT_LEN)
     assert s == 1 or s % lay.decode_groups == 0  # no idle decode group
-    if items >= attention.MANY_WAVES * slots:
+    if items >= MANY_WAVES * slots:
         assert s == 1
         return
-    allowed = [c for c in range(1, min(attention.MAX_SPLITS, L // attention.MIN_SPLIT_LEN) + 1)
+    allowed = [c for c in range(1, min(MAX_SPLITS, L // MIN_SPLIT_LEN) + 1)
                if c == 1 or c % lay.decode_groups == 0]
-    good = max(fill(c) for c in allowed) - attention.WAVE_FILL_SLACK
+    good = max(fill(c) for c in allowed) - WAVE_FILL_SLACK
     assert fill(s) >= good and all(fill(c) < good for c in allowed if c < s)  # near-best fill, fewest splits

@@ -1,6 +1,6 @@
-"""Decode-only kernels (PagedAttention.decode_only): every token is its own decode item, no prefill path.
+"""Decode-only kernels (AttentionConfig.decode_only): every token is its own decode item, no prefill path.
 
-paged_attention() launches them for launches of at most one token a sequence (a decode step). Checked
+plan() (choose_config) takes them for launches of at most one token a sequence (a decode step). Checked
 against the float64 reference with poisoned outputs: 16-bit and quantised KV, head dims 64 to 256, GQA 1
 to 16, pages of 1 to 64 positions, window, soft-cap, ALiBi, unified_masked, 1 to 32 splits. A decode-only
 kernel is exact for any ubatch, so mixed ubatches with prefill chunks run through it too (each token of a
@@ -12,9 +12,11 @@ import pytest
 
 from uacompile import ir, testing
 from uacompile.targets.cuda import attention
+from uacompile.targets.cuda.config import AttentionConfig
+from uacompile.targets.cuda.plan import choose_splits, device_arch, device_sms
 
 torch = pytest.importorskip("torch")
-from cuda_helpers import cuda_api_with  # noqa: E402
+from cuda_helpers import cuda_api_with, pa_kernel  # noqa: E402
 from test_cuda_attention_gpu import device_inputs  # noqa: E402
 from test_cuda_decode_gpu import MIXED, fused, replay_on_fresh_inputs, run_and_check  # noqa: E402
 
@@ -45,7 +47,8 @@ DECODE_LENS = [1, 16, 17, 33, 64, 65, 5000, 2900]
 
 
 def only(op):
-    return op.replace(decode_only=True)
+    """op's decode-only kernel."""
+    return pa_kernel(op, decode_only=True)
 
 
 def _ops():
@@ -91,8 +94,8 @@ def test_decode_only_is_exact_for_mixed_ubatches(api, rng, name, splits):
 @gpu
 @pytest.mark.parametrize("name", ["bf16-d128-g4", "int8-bf16-d128-g4"])
 def test_call_function_launches_decode_only_and_replays_in_a_graph(rng, name):
-    """paged_attention() on a decode step takes the decode-only op (its split rule on that layout) and is
-    graph capturable: two replays on fresh inputs against the reference."""
+    """paged_attention() on a decode step takes the decode-only kernel (its split rule on that layout) and, with a
+    kept Workspace, is graph capturable: two replays on fresh inputs against the reference."""
     from uacompile.targets.cuda import api as cuda_api
 
     op = OPS[name]
@@ -100,20 +103,22 @@ def test_call_function_launches_decode_only_and_replays_in_a_graph(rng, name):
     inputs = testing.attention_inputs(op, rng, lens)
     dev = device_inputs(op, inputs)
     launched = []
-    kernel_of = lambda o: (launched.append(o), cuda_api.kernel(o))[1]  # the real kernel, the op recorded  # noqa: E731
+    kernel_of = lambda k: (launched.append(k), cuda_api.kernel(k))[1]  # the real kernel, the kernel recorded  # noqa: E731
     out = torch.empty_like(dev["q"])
     lse = torch.empty(dev["q"].shape[:2], device="cuda")
     scales = {k: dev[k] for k in ("k_scale", "v_scale") if k in dev}
     args = {k: dev[k] for k in ("q", "k_cache", "v_cache", "token_seq", "page_table", "token_kv_len")}
     stream = torch.cuda.Stream()
+    ws = attention.Workspace(dev["q"].device)
     graph = cuda_api.capture_graph([lambda: attention.paged_attention(op, **args, **scales, out=out, lse=lse,
-                                                                      kernel_of=kernel_of)], stream=stream)
-    assert launched and all(o.decode_only for o in launched)
-    splits = launched[-1].num_splits
-    assert splits == attention.choose_splits(only(op), len(lens), len(lens), dev["page_table"].shape[1] * op.page_size,
-                                             attention._num_sms(dev["q"].device), attention._arch(dev["q"].device))
-    assert splits > 1  # the fused merge's counters are part of what the replays check
-    counters = attention._split_counters(dev["q"].device, stream.cuda_stream, len(lens), op.num_kv_heads)
+                                                                      workspace=ws, kernel_of=kernel_of)], stream=stream)
+    assert launched and all(k.config.decode_only and k.op == op for k in launched)
+    splits = launched[-1].config.num_splits
+    index = dev["q"].device.index if dev["q"].device.index is not None else torch.cuda.current_device()
+    assert splits == choose_splits(op, AttentionConfig(decode_only=True), len(lens), len(lens),
+                                   dev["page_table"].shape[1] * op.page_size, device_sms(index), device_arch(index))
+    assert splits > 1 and launched[-1].config.fused_merge  # the fused merge's counters are part of what the replays check
+    counters = ws.counters(len(lens), op.num_kv_heads)
 
     def fresh():  # fresh q and K/V; the scales stay (the replay copies q, K and V only)
         new = testing.attention_inputs(op, rng, lens)

@@ -51,7 +51,8 @@ def test_probe_switch_compiles_and_reports_its_layout(arch, monkeypatch, timelin
     has no probe; the decode probe's switch with it is refused (they share the buffer)."""
     import cffi
 
-    from uacompile.targets.cuda.build import BuildError, build
+    from uacompile.nvcc import NvccError
+    from uacompile.targets.cuda.build import build
     from uacompile.targets.cuda.loader import load_library
 
     op = attention.launched_op(OP, 1, arch=arch, design=attention.design_of(""))
@@ -69,7 +70,7 @@ def test_probe_switch_compiles_and_reports_its_layout(arch, monkeypatch, timelin
     with pytest.raises(AttributeError):  # the accessors exist only in a probe build
         getattr(ffi.dlopen(str(plain)), f"{op.symbol()}_timeline_layout")
     if arch == "sm_90":
-        with pytest.raises(BuildError, match="one probe a build"):
+        with pytest.raises(NvccError, match="one probe a build"):
             probe_build([op], arch, monkeypatch, f"{PROBE} -DUA_DECODE_TIMELINE")
 
 

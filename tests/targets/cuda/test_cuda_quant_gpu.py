@@ -1,26 +1,29 @@
 """Quantised-KV decode on the raw 8-bit K/V stage (docs/attention-rationale.md, "Quantised KV").
 
 Decode warps attend the raw 8-bit K/V stage directly (register conversion, scales applied to the
-scores and to P); -DUA_QUANT_FAST=0 builds the earlier dequantising pass. Each design is built in its
-own spawned process (attention.load_designs, "|flags") and checked against the float64 reference: int8 and fp8_e4m3 KV,
+scores and to P); -DUA_QUANT_FAST=0 builds the earlier dequantising pass (the template's switch, through
+UACOMPILE_NVCC_FLAGS, one library of its own). Both are checked against the float64 reference: int8 and fp8_e4m3 KV,
 fp16 and bf16 q, head_dim 64 and 128, kv lengths 1, page edges and long, 1 and several splits (fused
 merge), mixed ubatches with prefill chunks (whose tiles keep the dequantising path). Outputs are
 poisoned with NaN (run_fused).
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import numpy as np
 import pytest
 
 from uacompile import ir, testing
-from uacompile.targets.cuda import attention
 
 torch = pytest.importorskip("torch")
+from cuda_helpers import cuda_api_with  # noqa: E402
 from test_cuda_decode_gpu import MIXED, check_outputs, fused, run_fused  # noqa: E402
 
 gpu = pytest.mark.gpu
 PA = ir.PagedAttention
-DESIGNS = {"fast": "", "dequant": "|-DUA_QUANT_FAST=0"}  # production; the pass before v22
+DEQUANT_FLAGS = "-DUA_QUANT_FAST=0"  # the dequantising pass before the raw-stage decode (v22)
 
 OPS = {
     "int8-bf16-d128-g4": PA(32, 8, 128, 16, "bf16", "int8", return_lse=True),
@@ -49,16 +52,28 @@ def _ops():
 
 
 @pytest.fixture(scope="module")
-def quant_libs():
-    """{design: kernel_of(op)}, each design's library built in its own process."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    return attention.design_kernels(DESIGNS, _ops())
+def quant_fast():
+    """kernel_of(kernel): the module's kernels built at once (api.kernel)."""
+    return cuda_api_with(_ops()).kernel
 
 
 @pytest.fixture(scope="module")
-def quant_fast(quant_libs):
-    return quant_libs["fast"]
+def quant_dequant(quant_fast):
+    """kernel_of(kernel): the module's kernels built with DEQUANT_FLAGS, one library (the flags are part of its
+    build key), apart from the process' kernel table."""
+    from uacompile.targets.cuda import api
+    from uacompile.targets.cuda.loader import load
+
+    old = os.environ.get("UACOMPILE_NVCC_FLAGS")
+    os.environ["UACOMPILE_NVCC_FLAGS"] = DEQUANT_FLAGS
+    try:
+        lib = load(_ops())
+    finally:
+        if old is None:
+            os.environ.pop("UACOMPILE_NVCC_FLAGS")
+        else:
+            os.environ["UACOMPILE_NVCC_FLAGS"] = old
+    return functools.cache(lambda kernel: api.CudaKernel(kernel, library=lib))
 
 
 def check(kernel_of, name, op, splits, inputs):
@@ -71,10 +86,11 @@ def check(kernel_of, name, op, splits, inputs):
 @gpu
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("name", list(OPS))
-@pytest.mark.parametrize("design", list(DESIGNS))
-def test_quant_decode_matches_reference(quant_libs, rng, design, name, splits):
+@pytest.mark.parametrize("design", ["fast", "dequant"])
+def test_quant_decode_matches_reference(request, rng, design, name, splits):
+    kernel_of = request.getfixturevalue(f"quant_{design}")
     op = OPS[name]
-    check(quant_libs[design], f"{design}/{name}", op, splits, testing.attention_inputs(op, rng, DECODE_LENS))
+    check(kernel_of, f"{design}/{name}", op, splits, testing.attention_inputs(op, rng, DECODE_LENS))
 
 
 @gpu

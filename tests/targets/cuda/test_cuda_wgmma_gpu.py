@@ -8,8 +8,9 @@ further cases make every block take several items (the token-window ring and the
 carry across items), a very uneven ubatch (one 16K prompt and many short ones), split-KV with the
 fused merge per item, mixed ubatches whose decode blocks fill several waves, graph replays and two
 streams; each checks that the queue is zero again after the launch, and the big cases that the
-dynamic schedule gives bit for bit what the static one (one item a block) does. CPU tests below check
-which variants take the path and that both archs render what they should.
+dynamic schedule gives bit for bit what the static one (one item a block) does. Kernels are ops with their
+AttentionConfig (ir.Kernel; cuda_helpers.pa_kernel). CPU tests below check which variants take the path and
+that both archs render what they should.
 """
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from cuda_helpers import cuda_api_with
+from cuda_helpers import base_op, config_of, cuda_api_with, pa_kernel
 
 from uacompile import ir, testing
 from uacompile.targets.cuda import attention
+from uacompile.targets.cuda.config import AttentionConfig
+from uacompile.targets.cuda.layout import H200_SMS, dynamic_prefill, layout, prefill_items, uses_wgmma
+from uacompile.targets.cuda.plan import choose_splits
 from uacompile.targets.cuda.render import SM90A_MARKER, render_op
 
 from test_cuda_attention_gpu import MIXED, check_close, device_inputs, reference_of, run_kernel, tol_of
@@ -39,17 +43,19 @@ WG_CASES = {
     "fp16-d128-g3-p32-lse": PA(12, 4, 128, 32, "fp16", "fp16", return_lse=True),
     "bf16-d128-g16-p256": PA(16, 1, 128, 256, "bf16", "bf16"),
     "bf16-d64-g8-p128-window-softcap": PA(16, 2, 64, 128, "bf16", "bf16", window=300, softcap=15.0),
-    "fp16-d128-alibi-split3": PA(8, 2, 128, 16, "fp16", "fp16", alibi=True, num_splits=3),
+    "fp16-d128-alibi-split3": pa_kernel(PA(8, 2, 128, 16, "fp16", "fp16", alibi=True), num_splits=3),
     # D 256: 64-position tiles, 2 TMA stages, one cp.async stage a decode group (Gemma-2's soft-cap and window)
     "bf16-d256-g2-p16": PA(16, 8, 256, 16, "bf16", "bf16"),
-    "fp16-d256-g2-p32-window-softcap-split3": PA(8, 4, 256, 32, "fp16", "fp16", window=300, softcap=50.0,
-                                                 num_splits=3),
+    "fp16-d256-g2-p32-window-softcap-split3": pa_kernel(PA(8, 4, 256, 32, "fp16", "fp16", window=300, softcap=50.0),
+                                                        num_splits=3),
     # D 80 and 96: rows padded to 128 columns in shared memory (TMA zero-fills them; S reads D columns)
     "bf16-d96-g1-p16": PA(8, 8, 96, 16, "bf16", "bf16"),
-    "fp16-d80-g4-p32-window-softcap-split3": PA(16, 4, 80, 32, "fp16", "fp16", window=300, softcap=30.0, num_splits=3),
+    "fp16-d80-g4-p32-window-softcap-split3": pa_kernel(PA(16, 4, 80, 32, "fp16", "fp16", window=300, softcap=30.0),
+                                                       num_splits=3),
     # pages under 8 positions: the cp.async producer (two warps each for K and V; 1 and 2: several pages a lane)
     "bf16-d128-g4-p1": PA(32, 8, 128, 1, "bf16", "bf16"),
-    "fp16-d64-g2-p2-window-softcap-split3": PA(8, 4, 64, 2, "fp16", "fp16", window=300, softcap=20.0, num_splits=3),
+    "fp16-d64-g2-p2-window-softcap-split3": pa_kernel(PA(8, 4, 64, 2, "fp16", "fp16", window=300, softcap=20.0),
+                                                      num_splits=3),
     "bf16-d256-g2-p4": PA(8, 4, 256, 4, "bf16", "bf16"),
     "fp16-d96-g1-p1-lse": PA(4, 4, 96, 1, "fp16", "fp16", return_lse=True),
 }
@@ -79,14 +85,21 @@ PRODUCTION = DYNAMIC["bf16-d128-g4-p16"]  # the benchmarks' shape: also built st
 
 
 def dyn(op):
-    return op.replace(item_queue=True)
+    """op's kernel (an op or kernel) with the item queue."""
+    return pa_kernel(op, item_queue=True)
+
+
+def items(op, num_tokens: int) -> int:
+    """Prefill work items of a launch of op's kernel (an op: the default config) on sm_90."""
+    kernel = pa_kernel(op)
+    return prefill_items(kernel.op, kernel.config, num_tokens)
 
 
 def _all_ops():
-    """Every op the module launches (paged_attention() included), built at once: 10 beside WG_CASES."""
+    """Every kernel the module launches (paged_attention() included), built at once: 10 beside WG_CASES."""
     ops = list(WG_CASES.values()) + [dyn(op) for op in DYNAMIC.values()] + [PRODUCTION, fused(PRODUCTION, 3)]
     ops += [dyn(fused(op, s)) for op in (PRODUCTION, SMALL) for s in DYNAMIC_SPLITS]
-    return list(dict.fromkeys(ops))
+    return list(dict.fromkeys(map(pa_kernel, ops)))
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +114,11 @@ def api():
 @pytest.mark.parametrize("name", list(WG_CASES))
 def test_wgmma_prefill_matches_reference(api, rng, name, shape):
     op = WG_CASES[name]
-    assert attention.uses_wgmma(op)
+    assert uses_wgmma(base_op(op), config_of(pa_kernel(op)))
     inputs, outs = run_kernel(api, op, rng, **SHAPES[shape])
     ref_out, ref_lse = reference_of(op, inputs)
     tol = tol_of(op)
-    if op.num_splits > 1:
+    if config_of(pa_kernel(op)).num_splits > 1:
         check_close(f"{name}.o_partial", outs["o_partial"], ref_out, tol)
         check_close(f"{name}.lse_partial", outs["lse_partial"], ref_lse, 2 * tol)
         return
@@ -128,22 +141,23 @@ def cached_case(key, op, make_lens, reference_of_all=True):
     if key not in _cases:
         rng = np.random.default_rng(zlib.crc32(key.encode()))
         inputs = testing.attention_inputs(op, rng, *make_lens(rng))
-        ref = reference_of(op.replace(num_splits=1, fused_merge=False), inputs) if reference_of_all else None
+        ref = reference_of(base_op(op), inputs) if reference_of_all else None
         _cases[key] = inputs, ref
     return _cases[key]
 
 
 def launch(api, op, inputs, queue=None, counters=None):
-    """One launch of op on poisoned outputs (out and lse, or the partials): {name: tensor}, with
-    the item queue and split counters it ran on (fresh zeros unless given)."""
+    """One launch of op's kernel (an op: the default config) on poisoned outputs (out and lse, or the partials):
+    {name: tensor}, with the item queue and split counters it ran on (fresh zeros unless given)."""
+    op = pa_kernel(op)
     dev = device_inputs(op, inputs)
     T = inputs["num_tokens"]
     outs = {p.name: torch.full([T if d == "num_tokens" else d for d in p.shape], float("nan"),
                                dtype=torch.float32 if p.dtype == "fp32" else dev["q"].dtype, device="cuda")
             for p in op.tensors() if p.role == "out"}
-    if op.item_queue:
+    if op.config.item_queue:
         outs["item_queue"] = torch.zeros(2, dtype=torch.int32, device="cuda") if queue is None else queue
-    if op.fused_merge:
+    if op.config.fused_merge:
         outs["split_counters"] = (torch.zeros((T, op.num_kv_heads), dtype=torch.int32, device="cuda")
                                   if counters is None else counters)
     api.kernel(op)(**dev, **outs)
@@ -174,7 +188,7 @@ def prompts_for_items(op, blocks_items: int):
     enough tokens that the launch has blocks_items prefill items a persistent block."""
     def make(rng):
         kv_lens, q_lens = [], []
-        while attention.prefill_items(op, sum(q_lens)) < blocks_items * num_sms():
+        while items(op, sum(q_lens)) < blocks_items * num_sms():
             n = int(rng.integers(20, 200))
             kv_lens.append(n), q_lens.append(n)
         kv_lens[-1] += 150
@@ -200,7 +214,7 @@ def test_dynamic_blocks_take_several_items(api, name):
     item a block."""
     op = DYNAMIC[name]
     inputs, ref = cached_case(f"items/{name}", op, prompts_for_items(op, 3))
-    assert attention.prefill_items(op, inputs["num_tokens"]) >= 3 * num_sms()
+    assert items(op, inputs["num_tokens"]) >= 3 * num_sms()
     outs = launch(api, dyn(op), inputs)
     check_case(name, op, outs, ref)
     if op == PRODUCTION:
@@ -211,7 +225,7 @@ def sample_reference(op, inputs, tokens):
     """The float64 reference of some tokens only (each token's attention depends on its own row)."""
     idx = np.asarray(tokens)
     sub = dict(inputs, q=inputs["q"][idx], token_seq=inputs["token_seq"][idx], token_kv_len=inputs["token_kv_len"][idx])
-    return reference_of(op.replace(num_splits=1, fused_merge=False), sub)
+    return reference_of(base_op(op), sub)
 
 
 def one_long_among_short(rng):
@@ -249,7 +263,7 @@ def test_dynamic_split_kv_with_fused_merge(api, name, splits):
     at zero."""
     op = DYNAMIC[name]
     inputs, ref = cached_case(f"splits/{name}", op, lambda rng: ([900, 800, 3], [900, 300, 3]))
-    assert attention.prefill_items(fused(op, splits), inputs["num_tokens"]) >= 2 * num_sms()
+    assert items(fused(op, splits), inputs["num_tokens"]) >= 2 * num_sms()
     queue = torch.zeros(2, dtype=torch.int32, device="cuda")
     counters = torch.zeros((inputs["num_tokens"], op.num_kv_heads), dtype=torch.int32, device="cuda")
     for _ in range(2):
@@ -275,18 +289,12 @@ def test_dynamic_pure_decode_launch(api):
         check_case(f"pure-decode/s{splits}", SMALL, launch(api, dyn(fused(SMALL, splits)), inputs), ref)
 
 
-@pytest.fixture
-def dynamic_knob(monkeypatch):
-    """paged_attention() launches the dynamic schedule (UACOMPILE_PA_VARIANT prefill=dynamic)."""
-    monkeypatch.setenv(attention.DESIGN_ENV, "prefill=dynamic")
-    assert attention.launched_op(SMALL, 1).item_queue
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 3])
-def test_dynamic_graph_replay_of_a_mixed_ubatch(api, rng, dynamic_knob, splits):
-    """A captured launch (the launcher reads the SM count while capturing) replayed twice on fresh
-    q and KV: the stream's item queue (and split counters) are zero after each replay."""
+def test_dynamic_graph_replay_of_a_mixed_ubatch(api, rng, splits):
+    """A captured paged_attention() (the plan takes the item queue on Hopper; the launcher reads the SM count
+    while capturing) replayed twice on fresh q and KV: the workspace's item queue (and split counters) are zero
+    after each replay."""
     from uacompile.targets.cuda import api as cuda_api
 
     op = SMALL
@@ -295,21 +303,26 @@ def test_dynamic_graph_replay_of_a_mixed_ubatch(api, rng, dynamic_knob, splits):
     dev = device_inputs(op, inputs)
     out = torch.empty_like(dev["q"])
     lse = torch.empty(dev["q"].shape[:2], device="cuda")
-    stream = torch.cuda.Stream()  # warm-up (build, this stream's workspaces), then capture
-    graph = cuda_api.capture_graph([lambda: attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits)],
-                                   stream=stream)
-    queue = attention._item_queue(dev["q"].device, stream.cuda_stream)
+    ws = attention.Workspace(dev["q"].device)  # one for the capture stream, grown by the warm-up
+    p = attention.plan(op, inputs["num_tokens"], len(kv_lens), dev["page_table"].shape[1] * op.page_size,
+                       num_splits=splits, workspace=ws)
+    assert p.config.item_queue and p.num_splits == splits
+    stream = torch.cuda.Stream()  # warm-up (build), then capture
+    graph = cuda_api.capture_graph([lambda: attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=splits,
+                                                                      workspace=ws)], stream=stream)
+    queue = ws.item_queue()
     replay_on_fresh_inputs(f"replay/s{splits}", graph, op, dev, inputs,
                            lambda: testing.attention_inputs(op, rng, kv_lens, q_lens), out, lse, queue)
 
 
 @pytest.mark.gpu
-def test_dynamic_two_streams(api, dynamic_knob):
-    """Two streams launch the dynamic schedule at once, each on its own item queue (paged_attention()
-    keeps one a stream); five launches each, interleaved, then both outputs and queues are checked."""
+def test_dynamic_two_streams(api):
+    """Two streams launch the dynamic schedule at once, each on its own item queue (a Workspace a stream);
+    five launches each, interleaved, then both outputs and queues are checked."""
     op = SMALL
     cases = [cached_case(f"streams/{i}", op, prompts_for_items(op, 2)) for i in range(2)]
     streams = [torch.cuda.Stream() for _ in cases]
+    workspaces = [attention.Workspace("cuda") for _ in cases]
     devs, outs = [], []
     for (inputs, _), stream in zip(cases, streams):
         dev = device_inputs(op, inputs)
@@ -317,11 +330,14 @@ def test_dynamic_two_streams(api, dynamic_knob):
         outs.append((torch.full_like(dev["q"], float("nan")), torch.full(dev["q"].shape[:2], float("nan"), device="cuda")))
         stream.wait_stream(torch.cuda.current_stream())
     for _ in range(5):
-        for dev, (out, lse), stream in zip(devs, outs, streams):
+        for dev, (out, lse), stream, ws in zip(devs, outs, streams, workspaces):
             with torch.cuda.stream(stream):
-                attention.paged_attention(op, **dev, out=out, lse=lse, num_splits=1)
+                p = attention.plan(op, dev["q"].shape[0], dev["page_table"].shape[0],
+                                   dev["page_table"].shape[1] * op.page_size, num_splits=1, workspace=ws)
+                assert p.config.item_queue
+                attention.run(p, **dev, out=out, lse=lse)
     torch.cuda.synchronize()
-    queues = [attention._item_queue(devs[0]["q"].device, s.cuda_stream) for s in streams]
+    queues = [ws.item_queue() for ws in workspaces]
     assert queues[0].data_ptr() != queues[1].data_ptr()
     for i, ((inputs, ref), (out, lse), queue) in enumerate(zip(cases, outs, queues)):
         check_case(f"stream{i}", op, {"out": out, "lse": lse}, ref)
@@ -341,15 +357,15 @@ _switch_kernels: dict = {}  # nvcc flags -> the kernels built with them, kept ac
 @contextlib.contextmanager
 def switch_build(api, flags, prebuild=()):
     """api.kernel() builds and loads the variants with the nvcc flags inside (the flags are part of the
-    build key; api._kernels caches by op only, so it is swapped), production kernels after. prebuild:
-    ops built on entry, in parallel (an nvcc run each), if not built yet."""
+    build key; api._kernels caches by kernel only, so it is swapped), production kernels after. prebuild:
+    kernels (of ops or kernels) built on entry, in parallel (an nvcc run each), if not built yet."""
     saved, old = dict(api._kernels), os.environ.get("UACOMPILE_NVCC_FLAGS")
     kept = _switch_kernels.setdefault(flags, {})
     os.environ["UACOMPILE_NVCC_FLAGS"] = flags
     api._kernels.clear()
     api._kernels.update(kept)
     try:
-        missing = [op for op in dict.fromkeys(prebuild) if (op, None) not in api._kernels]
+        missing = [k for k in dict.fromkeys(map(pa_kernel, prebuild)) if (k, None) not in api._kernels]
         with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
             list(pool.map(api.kernel, missing))
         yield api
@@ -438,7 +454,7 @@ def test_prefill_item_off_same_bits_as_production(api, case):
     """v23 changes the work, not the values: the earlier code's output bit for bit production's (and the
     reference's values) on a case whose blocks take 3 items or more."""
     op = ITEM_SAME_BITS[case]
-    base = op.replace(num_splits=1, fused_merge=False, item_queue=False)
+    base = base_op(op)
     inputs, ref = cached_case(f"items/{'bf16-d128-g4-p16' if base == PRODUCTION else 'fp16-d64-g4-p16'}", base,
                               prompts_for_items(base, 3))
     same_bits_as_production(f"item/{case}", api, ITEM_FLAGS, ITEM_OPS, op, inputs, base, ref)
@@ -465,7 +481,7 @@ OVERLAP_FLAGS = "-DUA_PREFILL_OVERLAP=0"
 OVERLAP_CASES = ITEM_CASES  # the benchmarks' shape, D 64 (6 stages), window + softcap, ALiBi split 3 (partials)
 # window + softcap + ALiBi at D 64, one split: the MASK path and the slopes through the boundary
 WSA = PA(16, 2, 64, 128, "bf16", "bf16", window=300, softcap=15.0, alibi=True, return_lse=True)
-SMALL_PARTIALS = dyn(SMALL.replace(num_splits=3, return_lse=False))  # split-KV without the merge: the switch on
+SMALL_PARTIALS = dyn(pa_kernel(SMALL.replace(return_lse=False), num_splits=3))  # split-KV without the merge: the switch on
 OVERLAP_SAME_BITS = {"static": PRODUCTION, "dynamic": dyn(PRODUCTION), "dynamic-s3-fused": dyn(fused(PRODUCTION, 3)),
                      "dynamic-d64": dyn(SMALL), "dynamic-d64-s3-partials": SMALL_PARTIALS,
                      "dynamic-window-softcap-alibi": dyn(WSA)}
@@ -481,7 +497,7 @@ OVERLAP_OPS = ([WG_CASES[n] for n in OVERLAP_CASES] + list(OVERLAP_SAME_BITS.val
 def overlap_production(api):
     """api with production's builds of every op the overlap tests launch (the two _all_ops lacks, in parallel)."""
     with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
-        list(pool.map(api.kernel, dict.fromkeys(OVERLAP_OPS)))
+        list(pool.map(api.kernel, dict.fromkeys(map(pa_kernel, OVERLAP_OPS))))
     return api
 
 
@@ -514,7 +530,7 @@ def test_prefill_overlap_off_same_bits_as_production(overlap_production, case):
     reference's values) on a case whose blocks take 3 items or more."""
     op = OVERLAP_SAME_BITS[case]
     name, base = next((n, b) for n, b in OVERLAP_BASES.items()
-                      if op.replace(num_splits=1, fused_merge=False, item_queue=False, return_lse=True) == b)
+                      if base_op(op).replace(return_lse=True) == b)
     inputs, ref = cached_case(f"items/{name}", base, prompts_for_items(base, 3))
     same_bits_as_production(f"overlap/{case}", overlap_production, OVERLAP_FLAGS, OVERLAP_OPS, op, inputs, base,
                             ref, check=check_or_partials)
@@ -534,22 +550,24 @@ def test_prefill_overlap_off_mixed_ubatch(overlap_production, case):
 # ---------------------------------------------------------------- CPU
 @pytest.mark.parametrize("op, hopper", [
     (PA(32, 8, 128, 16, "bf16", "bf16"), True),
-    (PA(8, 2, 64, 8, "fp16", "fp16", window=9, softcap=5.0, alibi=True, num_splits=2), True),
+    (pa_kernel(PA(8, 2, 64, 8, "fp16", "fp16", window=9, softcap=5.0, alibi=True), num_splits=2), True),
     (PA(8, 2, 128, 4, "bf16", "bf16"), True),  # pages under 8 positions: the cp.async producer
     (PA(8, 8, 64, 1, "fp16", "fp16"), True),
     (PA(8, 2, 96, 16, "bf16", "bf16"), True),  # rows padded to 2 halves (128 columns)
     (PA(8, 2, 256, 16, "bf16", "bf16"), True),  # 4 halves a row, 64-position tiles
     (PA(8, 2, 80, 16, "bf16", "bf16"), True),
-    (PA(8, 2, 112, 16, "bf16", "bf16"), False),  # not in attention.WG_HEAD_DIMS
+    (PA(8, 2, 112, 16, "bf16", "bf16"), False),  # not in layout.WG_HEAD_DIMS
     (PA(8, 2, 128, 16, "bf16", "fp8_e4m3"), False),  # quantised KV is dequantised through smem
     (PA(8, 2, 128, 16, "bf16", "bf16", variant="unified_masked"), False),
+    (pa_kernel(PA(32, 8, 128, 16, "bf16", "bf16"), decode_only=True), False),  # no prefill tiles
 ])
 def test_which_variants_take_the_hopper_path(op, hopper):
-    assert attention.uses_wgmma(op, "sm_90") is hopper
-    assert attention.uses_wgmma(op, "sm_80") is False
-    assert (SM90A_MARKER in render_op(op, "sm_90")) is hopper
-    assert SM90A_MARKER not in render_op(op, "sm_80")
-    lay = attention.layout(op, "sm_90")
+    k = pa_kernel(op)
+    assert uses_wgmma(k.op, k.config, "sm_90") is hopper
+    assert uses_wgmma(k.op, k.config, "sm_80") is False
+    assert (SM90A_MARKER in render_op(k, "sm_90")) is hopper
+    assert SM90A_MARKER not in render_op(k, "sm_80")
+    lay = layout(k.op, k.config, "sm_90")
     assert lay.warps == (8 if hopper else 4)
     assert lay.prefill_rows == 16 * lay.warps * (1 if hopper else lay.mt_prefill)
     if hopper:  # one 8-warp block a SM: 227 KB a block at most; the static smem (ptxas: 0.3-1.3 KB, the dynamic
@@ -559,61 +577,51 @@ def test_which_variants_take_the_hopper_path(op, hopper):
 
 def test_prefill_items_count_tiles_heads_and_split_groups():
     op = PA(32, 8, 128, 16, "bf16", "bf16")  # G = 4: 32-token tiles; 2 decode groups: split groups of 2
-    assert attention.prefill_items(op, 1) == 8
-    assert attention.prefill_items(op, 33) == 2 * 8
-    assert attention.prefill_items(op.replace(num_splits=3), 64) == 2 * 8 * 2
-    assert attention.prefill_items(op.replace(num_splits=16), 64) == 2 * 8 * 8
-    assert attention.prefill_items(op.replace(num_splits=3), 64, arch="sm_80") == 2 * 8 * 3  # 4-warp blocks: a split each
+    one, three, sixteen = AttentionConfig(), AttentionConfig(num_splits=3), AttentionConfig(num_splits=16)
+    assert prefill_items(op, one, 1) == 8
+    assert prefill_items(op, one, 33) == 2 * 8
+    assert prefill_items(op, three, 64) == 2 * 8 * 2
+    assert prefill_items(op, sixteen, 64) == 2 * 8 * 8
+    assert prefill_items(op, three, 64, arch="sm_80") == 2 * 8 * 3  # 4-warp blocks: a split each
 
 
 def test_dynamic_schedule_renders_only_with_the_queue_on_hopper():
     """item_queue: the launcher sizes a 1-D grid of decode blocks and min(items, SMs) persistent
     prefill blocks; without it, and on the mma.sync path, one item a block (the queue unused)."""
-    op = PA(32, 8, 128, 16, "bf16", "bf16", num_splits=3, fused_merge=True)
+    op = pa_kernel(PA(32, 8, 128, 16, "bf16", "bf16"), num_splits=3, fused_merge=True)
     src = render_op(dyn(op))
-    assert attention.dynamic_prefill(dyn(op)) and not attention.dynamic_prefill(op)
+    assert dynamic_prefill(op.op, dyn(op).config) and not dynamic_prefill(op.op, op.config)
     assert "constexpr bool DYNAMIC = true;" in src and "cudaDevAttrMultiProcessorCount" in src
     assert "prm.item_queue = (int32_t*)item_queue;" in src and "void* item_queue" in src
     for other in (render_op(op), render_op(dyn(op), "sm_80")):
         assert "constexpr bool DYNAMIC = false;" in other and "cudaDevAttrMultiProcessorCount" not in other
-    assert not attention.dynamic_prefill(dyn(op), "sm_80")
+    assert not dynamic_prefill(op.op, dyn(op).config, "sm_80")
     assert "void* item_queue" in render_op(dyn(op), "sm_80")  # the IR's signature: the queue is taken, not used
 
 
-def test_the_prefill_knob_picks_the_launched_op(monkeypatch):
-    op = PA(32, 8, 128, 16, "bf16", "bf16")
-    assert attention.DESIGN_KNOBS["prefill"][0] == "dynamic"  # production since measured (v17)
-    monkeypatch.setenv(attention.DESIGN_ENV, "prefill=static")
-    assert not attention.launched_op(op, 1).item_queue and not attention.launched_op(op, 4).item_queue
-    monkeypatch.setenv(attention.DESIGN_ENV, "prefill=dynamic")
-    assert attention.launched_op(op, 1) == op.replace(item_queue=True)
-    assert attention.launched_op(op, 4) == op.replace(num_splits=4, fused_merge=True, item_queue=True)
-    assert attention.launched_op(op, 4, fused_merge=False).item_queue
-    assert not attention.launched_op(op, 1, arch="sm_80").item_queue  # the mma.sync path keeps one item a block
-    assert attention.launched_op(op.replace(page_size=1), 1).item_queue  # pages of any size take the Hopper path
-
-
 def test_item_queue_param_signature_and_cdef():
-    op = PA(32, 8, 128, 16, "bf16", "bf16", num_splits=4, fused_merge=True, item_queue=True)
+    op = pa_kernel(PA(32, 8, 128, 16, "bf16", "bf16"), num_splits=4, fused_merge=True, item_queue=True)
     params = {p.name: p for p in op.params()}
     assert params["item_queue"].shape == (2,) and params["item_queue"].dtype == "int32"
     assert params["item_queue"].role == "inout"
     assert "void* split_counters, void* item_queue, void* out" in ir.c_signature(op)
     assert "void* item_queue" in ir.cffi_cdef(op)
-    assert "item_queue" not in ir.c_signature(op.replace(item_queue=False))
+    assert "item_queue" not in ir.c_signature(pa_kernel(op, item_queue=False))
     with pytest.raises(ir.IRError):
-        PA(32, 8, 128, 16, item_queue=1)
+        AttentionConfig(item_queue=1)
+    with pytest.raises(ir.IRError, match="decode_only"):
+        AttentionConfig(decode_only=True, item_queue=True)  # no prefill blocks to take items
 
 
 def test_split_choice_counts_hopper_blocks():
     """Hopper variants run one 8-warp block a SM of two decode groups; on sm_80 (an A100's 164 KB an SM) the
     4-warp block's 102 KB leave room for one, so the split choice sees half of Hopper's decode slots."""
-    op = PA(32, 8, 128, 16, "bf16", "bf16")
-    hopper, ampere = attention.layout(op, "sm_90"), attention.layout(op, "sm_80")
+    op, config = PA(32, 8, 128, 16, "bf16", "bf16"), AttentionConfig()
+    hopper, ampere = layout(op, config, "sm_90"), layout(op, config, "sm_80")
     assert (hopper.blocks_per_sm, ampere.blocks_per_sm) == (1, 1)
     assert (hopper.decode_groups, ampere.decode_groups) == (2, 1)
     for T, L in [(1, 32768), (8, 16384), (64, 8192)]:
-        s90 = attention.choose_splits(op, T, T, L, arch="sm_90")
-        s80 = attention.choose_splits(op, T, T, L, arch="sm_80")
+        s90 = choose_splits(op, config, T, T, L, arch="sm_90")
+        s80 = choose_splits(op, config, T, T, L, arch="sm_80")
         assert 1 <= s80 <= s90, (T, L, s90, s80)
-        assert s90 == 1 or T * op.num_kv_heads * s90 <= 2 * attention.H200_SMS * hopper.decode_groups  # 2 waves
+        assert s90 == 1 or T * op.num_kv_heads * s90 <= 2 * H200_SMS * hopper.decode_groups  # 2 waves

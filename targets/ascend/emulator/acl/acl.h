@@ -35,9 +35,10 @@ inline aclError aclrtFree(void* ptr) {
     AscendC::GmFree(ptr);
     return ACL_SUCCESS;
 }
+// Page-aligned, like the pinned memory the real call returns.
 inline aclError aclrtMallocHost(void** ptr, size_t size) {
     if (!ptr || size == 0) return ACL_ERROR_INVALID_PARAM;
-    *ptr = std::malloc(size);
+    *ptr = std::aligned_alloc(4096, (size + 4095) / 4096 * 4096);
     return *ptr ? ACL_SUCCESS : ACL_ERROR_INVALID_PARAM;
 }
 inline aclError aclrtFreeHost(void* ptr) {
@@ -45,10 +46,13 @@ inline aclError aclrtFreeHost(void* ptr) {
     return ACL_SUCCESS;
 }
 // The emulator checks the device side of a copy against registered GM; a copy larger than
-// destMax is refused, as the real call does.
+// destMax is refused, as the real call does. CANN 8.0's aclrtMemcpyAsync wants 64-byte
+// aligned source and destination addresses: anything else is an error here.
 inline aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src, size_t count, aclrtMemcpyKind kind,
                                  aclrtStream) {
     if (count > destMax || (!dst && count) || (!src && count)) return ACL_ERROR_INVALID_PARAM;
+    UA_EMU_CHECK(reinterpret_cast<uintptr_t>(dst) % 64 == 0 && reinterpret_cast<uintptr_t>(src) % 64 == 0,
+                 "aclrtMemcpyAsync: dst %p / src %p must both be 64-byte aligned", dst, src);
     if (kind == ACL_MEMCPY_HOST_TO_DEVICE || kind == ACL_MEMCPY_DEVICE_TO_DEVICE) ua_emu::gm_check(dst, count, "aclrtMemcpyAsync(dst)");
     if (kind == ACL_MEMCPY_DEVICE_TO_HOST || kind == ACL_MEMCPY_DEVICE_TO_DEVICE) ua_emu::gm_check(src, count, "aclrtMemcpyAsync(src)");
     if (kind == ACL_MEMCPY_DEFAULT) {  // direction from the addresses: here every side of a launch is registered
@@ -63,12 +67,33 @@ inline aclError aclrtMemcpy(void* dst, size_t destMax, const void* src, size_t c
 }
 inline aclError aclrtSynchronizeStream(aclrtStream) { return ACL_SUCCESS; }
 
+// Events: every stream operation here completes before it returns, so a recorded event
+// has always completed.
+typedef void* aclrtEvent;
+inline aclError aclrtCreateEvent(aclrtEvent* event) {
+    if (!event) return ACL_ERROR_INVALID_PARAM;
+    *event = new int(0);
+    return ACL_SUCCESS;
+}
+inline aclError aclrtRecordEvent(aclrtEvent event, aclrtStream) {
+    if (!event) return ACL_ERROR_INVALID_PARAM;
+    *static_cast<int*>(event) = 1;
+    return ACL_SUCCESS;
+}
+inline aclError aclrtSynchronizeEvent(aclrtEvent event) { return event ? ACL_SUCCESS : ACL_ERROR_INVALID_PARAM; }
+inline aclError aclrtDestroyEvent(aclrtEvent event) {
+    delete static_cast<int*>(event);
+    return ACL_SUCCESS;
+}
+
 // ascendc_library generates aclrtlaunch_<kernel>(blockDim, stream, args...) per kernel; here
 // ACLRT_LAUNCH_KERNEL(kernel) gives a callable with that shape that runs the blocks as threads.
 namespace ua_emu {
+// The launch returns a status the caller must check ([[nodiscard]]: ignoring it does not
+// build with -Werror).
 template <typename... Args> struct KernelLauncher {
     void (*fn)(Args...);
-    template <typename... Actual> uint32_t operator()(uint32_t block_dim, aclrtStream, Actual... args) const {
+    template <typename... Actual> [[nodiscard]] uint32_t operator()(uint32_t block_dim, aclrtStream, Actual... args) const {
         run_blocks(block_dim, [&]() { fn(static_cast<Args>(args)...); });
         return 0;
     }

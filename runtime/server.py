@@ -1,0 +1,679 @@
+"""OpenAI-compatible HTTP server over AsyncEngine (FastAPI + uvicorn).
+
+Routes: /v1/completions, /v1/chat/completions (both with SSE streaming), /v1/models, /health,
+/metrics (Prometheus, vLLM's metric names) and llama.cpp's /completion. Bad input gets a 4xx with an
+OpenAI-style error body; a full queue gets 503 with Retry-After; with an API key, /v1/* and
+/completion want `Authorization: Bearer KEY`. A client that disconnects has its request aborted,
+which frees its pages before the engine's next step. Each response carries the request's timing
+(TTFT, TPOT, inter-token latency, end to end) in a `timings` field, also logged at INFO.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from . import chat
+from .async_engine import AsyncEngine, EngineDead, Overloaded, RequestStream, StreamEvent
+from .sequence import SamplingParams
+
+log = logging.getLogger("uacompile.runtime.server")
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()))
+    return (f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))), (loc or None)
+
+
+# ---- request bodies -----------------------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+
+
+class CompletionBody(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Sampling):
+    messages: list[Message]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+
+
+class LlamaCppBody(_Body):
+    prompt: str | list[int]
+    n_predict: int = -1
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1
+    stop: list[str] = []
+    stream: bool = False
+    ignore_eos: bool = False
+    n_probs: int = 0
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+class ServerMetrics:
+    """vLLM's metric names in a registry of the server's own."""
+
+    def __init__(self, aengine: AsyncEngine, model_name: str):
+        self.aengine, self.model_name = aengine, model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+
+        def hist(name, doc, buckets=LATENCY_BUCKETS):
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token (s)")
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between successive output tokens (s)")
+        self.tpot = hist("vllm:request_time_per_output_token_seconds", "Mean time per output token of a request (s)")
+        self.tpot_legacy = hist("vllm:time_per_output_token_seconds", "Mean time per output token of a request (s)")
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency (s)")
+        token_buckets = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+        self.prompt_len = hist("vllm:request_prompt_tokens", "Prompt tokens of a request", token_buckets)
+        self.gen_len = hist("vllm:request_generation_tokens", "Generated tokens of a request", token_buckets)
+        self.registry.register(self)
+
+    def observe(self, stream: RequestStream) -> None:
+        t = stream.timing
+        if t.ttft is not None:
+            self.ttft.observe(t.ttft)
+        for itl in t.itls:
+            self.itl.observe(itl)
+        if t.tpot is not None:
+            self.tpot.observe(t.tpot)
+            self.tpot_legacy.observe(t.tpot)
+        if t.e2e is not None:
+            self.e2e.observe(t.e2e)
+        self.prompt_len.observe(t.num_prompt_tokens)
+        self.gen_len.observe(t.num_output_tokens)
+        log.info("request %s: %s", stream.request_id, t.as_dict())
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s, c, m = self.aengine.stats, self.aengine.counters, [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(m, value)
+            return g
+
+        def counter(name, doc, value):
+            k = CounterMetricFamily(name, doc, labels=["model_name"])
+            k.add_metric(m, value)
+            return k
+
+        yield gauge("vllm:num_requests_running", "Requests running on the engine", s["num_running"])
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to run", s["num_waiting"])
+        yield gauge("vllm:num_requests_swapped", "Requests swapped to the CPU pool", s["num_swapped"])
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full); cached free pages count as free",
+                    s["kv_usage"])
+        yield gauge("uacompile:kv_pages_in_use", "KV pages held by requests", s["pages_in_use"])
+        yield gauge("uacompile:kv_pages_cached", "Free KV pages kept for the prefix cache", s["pages_cached"])
+        yield gauge("uacompile:kv_pages_total", "KV pages on the device", s["num_pages"])
+        yield gauge("uacompile:requests_tracked", "Requests the engine keeps state for", s["requests_tracked"])
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s["prefix_queries"])
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s["prefix_hits"])
+        yield counter("vllm:num_preemptions", "Preemptions", s["num_preemptions"])
+        yield counter("vllm:prompt_tokens", "Prompt tokens admitted", c["prompt_tokens"])
+        yield counter("vllm:generation_tokens", "Tokens generated", c["generation_tokens"])
+        done = CounterMetricFamily("vllm:request_success", "Finished samples by reason",
+                                   labels=["model_name", "finished_reason"])
+        for reason, count in sorted(self.aengine.finish_reasons.items()):
+            done.add_metric([self.model_name, reason], count)
+        yield done
+        yield counter("uacompile:requests_aborted", "Requests aborted (client gone)", c["requests_aborted"])
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_n: int = 16
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+async def _json_body(request: Request, model: type[BaseModel]):
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        msg, param = _validation_message(e)
+        raise APIError(400, msg, param=param) from None
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    if raw is None:
+        return None
+    out = {}
+    for k, v in raw.items():
+        try:
+            out[int(k)] = v
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from None
+    return out
+
+
+def _params(**kw) -> SamplingParams:
+    try:
+        return SamplingParams(**{k: v for k, v in kw.items() if v is not None})
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e)) from None
+
+
+class _Served:
+    """Shared handler logic: prompt encoding, admission, collection of events."""
+
+    def __init__(self, aengine: AsyncEngine, cfg: ServerConfig):
+        self.aengine, self.cfg = aengine, cfg
+        self.engine = aengine.engine
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.scheduler.config.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.cfg.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {self.cfg.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def encode(self, prompt) -> list[int]:
+        try:
+            return self.engine.encode_prompt(prompt)[1]
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param="prompt") from None
+
+    def max_tokens(self, requested: int | None, prompt_len: int, default: int | None) -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is "
+                                f"{self.max_model_len} tokens", param="prompt")
+        if requested is None:
+            return min(default, room) if default is not None else room
+        if requested > room:
+            raise APIError(400, f"max_tokens={requested} with a {prompt_len}-token prompt exceeds the "
+                                f"context of {self.max_model_len} tokens (at most {room})", param="max_tokens")
+        return requested
+
+    def check_n(self, n: int) -> None:
+        if n > self.cfg.max_n:
+            raise APIError(400, f"n must be at most {self.cfg.max_n}, got {n}", param="n")
+
+    async def start(self, prompts: list[list[int]], params: SamplingParams, priority: int) -> list[RequestStream]:
+        streams = []
+        try:
+            for ids in prompts:
+                streams.append(await self.aengine.generate(ids, params, priority))
+        except Overloaded as e:
+            self.abort(streams)
+            raise APIError(503, str(e), "server_overloaded", headers={"Retry-After": str(e.retry_after)}) from None
+        except EngineDead as e:
+            self.abort(streams)
+            raise APIError(503, str(e), "server_unavailable") from None
+        except (ValueError, TypeError) as e:
+            self.abort(streams)
+            raise APIError(400, str(e)) from None
+        return streams
+
+    def abort(self, streams: list[RequestStream]) -> None:
+        for s in streams:
+            self.aengine.abort(s)
+
+    async def merged(self, streams: list[RequestStream]):
+        """(prompt index, events) as they come, from all streams."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, s):
+            try:
+                async for evs in s:
+                    await q.put((i, evs))
+            except BaseException as e:  # noqa: BLE001  (forwarded to the consumer)
+                await q.put((i, e))
+            finally:
+                await q.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        left = len(streams)
+        try:
+            while left:
+                i, item = await q.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise APIError(500 if not isinstance(item, EngineDead) else 503, f"generation failed: {item}",
+                                   "server_error")
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def usage(self, streams: list[RequestStream]) -> dict:
+        p = sum(s.timing.num_prompt_tokens for s in streams)
+        c = sum(s.timing.num_output_tokens for s in streams)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    @staticmethod
+    def timings(streams: list[RequestStream]):
+        t = [s.timing.as_dict() for s in streams]
+        return t[0] if len(t) == 1 else t
+
+    def completion_logprobs(self, events: list[StreamEvent], offset0: int = 0) -> dict:
+        tokens, lps, tops, offsets = [], [], [], []
+        off = offset0
+        for e in events:
+            for lp in e.logprobs:
+                text = self.tokenizer.token_text(lp.token_id) if self.tokenizer else str(lp.token_id)
+                tokens.append(text)
+                lps.append(lp.logprob)
+                tops.append({(self.tokenizer.token_text(t) if self.tokenizer else str(t)): v for t, v in lp.top})
+                offsets.append(off)
+                off += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, events: list[StreamEvent]) -> dict:
+        def entry(tid, v):
+            text = self.tokenizer.token_text(tid) if self.tokenizer else str(tid)
+            return {"token": text, "logprob": v, "bytes": list(text.encode())}
+
+        content = []
+        for e in events:
+            for lp in e.logprobs:
+                content.append({**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]})
+        return {"content": content}
+
+
+async def _until_disconnect(request: Request, coro):
+    """Run coro; if the client goes away first, cancel it (its finally blocks abort the requests)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.05)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected", "client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+# ---- the app ------------------------------------------------------------------------------------
+def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=None) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine thread and stops it (writing the trace)."""
+    served = _Served(aengine, cfg)
+    metrics = ServerMetrics(aengine, cfg.model_name)
+    aengine.on_finish = metrics.observe
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if not aengine.is_alive:
+            aengine.start()
+        try:
+            yield
+        finally:
+            aengine.shutdown()
+            if tracer is not None and trace_path:
+                tracer.write(trace_path)
+                log.info("trace written to %s", trace_path)
+
+    app = FastAPI(title="uacompile", lifespan=lifespan)
+    app.state.metrics, app.state.aengine = metrics, aengine
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(e).__name__}", "server_error").response()
+
+    def auth(request: Request) -> None:
+        if cfg.api_key:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
+                raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                               "authentication_error", code="invalid_api_key")
+
+    protected = [Depends(auth)]
+
+    @app.get("/health")
+    async def health():
+        if not aengine.is_alive:
+            raise APIError(503, "the engine is not running", "server_unavailable")
+        s = aengine.stats
+        return {"status": "ok", "requests_in_flight": aengine.num_active, "requests_tracked": s["requests_tracked"],
+                "kv_pages_in_use": s["pages_in_use"]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=protected)
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": _now(),
+                                            "owned_by": "uacompile", "max_model_len": served.max_model_len}]}
+
+    # -- /v1/completions
+    @app.post("/v1/completions", dependencies=protected)
+    async def completions(request: Request):
+        body: CompletionBody = await _json_body(request, CompletionBody)
+        served.check_model(body.model)
+        served.check_n(body.n)
+        prompt = body.prompt
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        ids = [served.encode(p) for p in prompts]
+        max_tokens = min(served.max_tokens(body.max_tokens, len(i), 16) for i in ids)
+        params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = await served.start(ids, params, body.priority)
+        n = params.n
+        echo = [served.tokenizer.decode(i) if body.echo and served.tokenizer else "" for i in ids]
+
+        def chunk(i, e: StreamEvent):
+            return {"index": i * n + e.index, "text": e.text, "finish_reason": e.finish_reason,
+                    "logprobs": served.completion_logprobs([e]) if params.logprobs is not None else None}
+
+        if body.stream:
+            async def events():
+                try:
+                    if body.echo:
+                        for i in range(len(prompts)):
+                            for j in range(n):
+                                yield _sse({"id": rid, "object": "text_completion", "created": _now(),
+                                            "model": cfg.model_name,
+                                            "choices": [{"index": i * n + j, "text": echo[i], "finish_reason": None,
+                                                         "logprobs": None}]})
+                    async for i, evs in served.merged(streams):
+                        choices = [chunk(i, e) for e in evs if e.text or e.finish_reason or e.logprobs]
+                        if choices:
+                            yield _sse({"id": rid, "object": "text_completion", "created": _now(),
+                                        "model": cfg.model_name, "choices": choices})
+                    last = {"id": rid, "object": "text_completion", "created": _now(), "model": cfg.model_name,
+                            "choices": [], "timings": served.timings(streams)}
+                    if body.stream_options and body.stream_options.include_usage:
+                        last["usage"] = served.usage(streams)
+                    yield _sse(last)
+                    yield b"data: [DONE]\n\n"
+                except APIError as e:
+                    yield _sse({"error": {"message": e.message, "type": e.type}})
+                finally:
+                    served.abort(streams)
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     background=BackgroundTask(served.abort, streams))
+
+        async def collect():
+            got: dict[int, list[StreamEvent]] = {}
+            try:
+                async for i, evs in served.merged(streams):
+                    for e in evs:
+                        got.setdefault(i * n + e.index, []).append(e)
+            finally:
+                served.abort(streams)
+            return got
+
+        got = await _until_disconnect(request, collect())
+        choices = []
+        for idx in range(len(prompts) * n):
+            evs = got.get(idx, [])
+            text = echo[idx // n] + "".join(e.text for e in evs)
+            reason = next((e.finish_reason for e in evs if e.finish_reason), None)
+            lp = served.completion_logprobs(evs, len(echo[idx // n])) if params.logprobs is not None else None
+            choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": reason})
+        return {"id": rid, "object": "text_completion", "created": _now(), "model": cfg.model_name,
+                "choices": choices, "usage": served.usage(streams), "timings": served.timings(streams)}
+
+    # -- /v1/chat/completions
+    @app.post("/v1/chat/completions", dependencies=protected)
+    async def chat_completions(request: Request):
+        body: ChatBody = await _json_body(request, ChatBody)
+        served.check_model(body.model)
+        served.check_n(body.n)
+        if served.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; use /v1/completions with token ids")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        try:
+            text = chat.render(served.tokenizer, [m.model_dump() for m in body.messages], body.add_generation_prompt)
+            ids = chat.encode(served.tokenizer, text)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param="messages") from None
+        served.encode(ids)  # vocabulary and emptiness checks
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = _sampling_params(body, served.max_tokens(requested, len(ids), None),
+                                  logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await served.start([ids], params, body.priority)
+
+        if body.stream:
+            async def events():
+                try:
+                    for j in range(params.n):
+                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": _now(),
+                                    "model": cfg.model_name,
+                                    "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+                    async for _, evs in served.merged(streams):
+                        choices = [{"index": e.index, "delta": {"content": e.text} if e.text else {},
+                                    "logprobs": served.chat_logprobs([e]) if params.logprobs is not None else None,
+                                    "finish_reason": e.finish_reason}
+                                   for e in evs if e.text or e.finish_reason or e.logprobs]
+                        if choices:
+                            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": _now(),
+                                        "model": cfg.model_name, "choices": choices})
+                    last = {"id": rid, "object": "chat.completion.chunk", "created": _now(), "model": cfg.model_name,
+                            "choices": [], "timings": served.timings(streams)}
+                    if body.stream_options and body.stream_options.include_usage:
+                        last["usage"] = served.usage(streams)
+                    yield _sse(last)
+                    yield b"data: [DONE]\n\n"
+                except APIError as e:
+                    yield _sse({"error": {"message": e.message, "type": e.type}})
+                finally:
+                    served.abort(streams)
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     background=BackgroundTask(served.abort, streams))
+
+        async def collect():
+            got: dict[int, list[StreamEvent]] = {}
+            try:
+                async for _, evs in served.merged(streams):
+                    for e in evs:
+                        got.setdefault(e.index, []).append(e)
+            finally:
+                served.abort(streams)
+            return got
+
+        got = await _until_disconnect(request, collect())
+        choices = []
+        for j in range(params.n):
+            evs = got.get(j, [])
+            choices.append({"index": j, "message": {"role": "assistant", "content": "".join(e.text for e in evs)},
+                            "logprobs": served.chat_logprobs(evs) if params.logprobs is not None else None,
+                            "finish_reason": next((e.finish_reason for e in evs if e.finish_reason), None)})
+        return {"id": rid, "object": "chat.completion", "created": _now(), "model": cfg.model_name,
+                "choices": choices, "usage": served.usage(streams), "timings": served.timings(streams)}
+
+    # -- llama.cpp's /completion
+    @app.post("/completion", dependencies=protected)
+    async def llama_completion(request: Request):
+        body: LlamaCppBody = await _json_body(request, LlamaCppBody)
+        ids = served.encode(body.prompt)
+        if body.n_probs < 0:
+            raise APIError(400, f"n_probs must be >= 0, got {body.n_probs}", param="n_probs")
+        params = _params(max_tokens=served.max_tokens(None if body.n_predict < 0 else body.n_predict or 1,
+                                                      len(ids), None),
+                         temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
+                         min_p=body.min_p, repetition_penalty=body.repeat_penalty,
+                         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                         seed=None if body.seed == -1 else body.seed, stop=body.stop or None,
+                         ignore_eos=body.ignore_eos, logprobs=body.n_probs or None)
+        streams = await served.start([ids], params, 0)
+        stream = streams[0]
+
+        def final(content: str) -> dict:
+            t = stream.timing
+            reason = stream.finish_reasons.get(0)
+            d = t.as_dict()
+            n_out = t.num_output_tokens
+            return {"content": content, "stop": True, "model": cfg.model_name, "tokens_predicted": n_out,
+                    "tokens_evaluated": t.num_prompt_tokens, "stop_type": {"length": "limit"}.get(reason, reason),
+                    "timings": {"prompt_n": t.num_prompt_tokens, "prompt_ms": d["ttft_ms"], "predicted_n": n_out,
+                                "predicted_per_token_ms": d["tpot_ms"], "predicted_ms": d["e2e_ms"],
+                                "predicted_per_second": (1e3 / d["tpot_ms"]) if d["tpot_ms"] else None}}
+
+        if body.stream:
+            async def events():
+                try:
+                    async for _, evs in served.merged(streams):
+                        for e in evs:
+                            if e.text:
+                                yield _sse({"content": e.text, "tokens": e.token_ids, "stop": False})
+                    yield _sse(final(""))
+                except APIError as e:
+                    yield _sse({"error": {"message": e.message, "type": e.type}})
+                finally:
+                    served.abort(streams)
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     background=BackgroundTask(served.abort, streams))
+
+        async def collect():
+            parts = []
+            try:
+                async for _, evs in served.merged(streams):
+                    parts.extend(e.text for e in evs)
+            finally:
+                served.abort(streams)
+            return "".join(parts)
+
+        return final(await _until_disconnect(request, collect()))
+
+    return app
+
+
+def _sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    return _params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                   min_p=body.min_p, presence_penalty=body.presence_penalty,
+                   frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                   seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, n=body.n,
+                   ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias))
+
+
+# ---- entry point --------------------------------------------------------------------------------
+def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          served_model_name: str | None = None, trace: str | None = None, max_queue: int = 256,
+          log_level: str = "info", **engine_kwargs) -> None:
+    """Load the model and serve until interrupted (the `uacompile serve` command)."""
+    import uvicorn
+
+    from .engine import Engine, EngineConfig
+    from .llm import ENGINE_OPTIONS
+    from .trace import Tracer
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ec = EngineConfig(**{k: engine_kwargs.pop(k) for k in list(engine_kwargs) if k in ENGINE_OPTIONS})
+    engine = Engine(model, ec, **engine_kwargs)
+    tracer = None
+    if trace:
+        tracer = Tracer()
+        engine.set_tracer(tracer)
+    aengine = AsyncEngine(engine, max_queue=max_queue)
+    name = served_model_name or Path(model).stem
+    app = build_app(aengine, ServerConfig(name, api_key), tracer, trace)
+    log.info("serving %s as %r on http://%s:%d (max_model_len %d)", model, name, host, port,
+             engine.scheduler.config.max_model_len)
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
+

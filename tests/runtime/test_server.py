@@ -1,0 +1,445 @@
+"""The OpenAI-compatible server, through real HTTP on loopback: a uvicorn server on 127.0.0.1 and a
+free port, httpx clients. Outputs must equal offline greedy generation, bad input must get a 4xx and
+leave the server serving, and aborted or finished requests must leave no pages behind."""
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_helpers import make_engine, metric, running_server, sse_events, stories_path
+from uacompile.runtime import LLM, SamplingParams
+
+PROMPTS = ["Once upon a time", "Tom and his dog went to the park.", "Lily liked to", "One day",
+           "The sun was hot and the sky was blue.", "Ben had a red ball"]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(max_num_seqs=32, page_size=8) as (url, app):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """Greedy texts and token counts of the offline API, one prompt at a time."""
+    llm = LLM(stories_path(), cpu_threads=1)
+    p = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return {prompt: llm.generate([prompt], p)[0].outputs[0].text for prompt in PROMPTS}
+
+
+def completion(url, **body):
+    return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def greedy(prompt, **kw):
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **kw}
+
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# ---- endpoints ----------------------------------------------------------------------------------
+def test_health_models_and_metrics(server):
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+    models = httpx.get(server + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "stories260K"
+    completion(server, **greedy("One day"))
+    names = {f.name for f in text_string_to_metric_families(httpx.get(server + "/metrics").text)}
+    for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
+                 "vllm:prompt_tokens", "vllm:generation_tokens"):
+        assert name in names, name
+    assert metric(server, "vllm:generation_tokens_total") >= MAX_TOKENS
+    assert metric(server, "vllm:time_to_first_token_seconds_count") >= 1
+
+
+def test_completion_equals_offline_greedy(server, offline):
+    for prompt in PROMPTS[:3]:
+        r = completion(server, **greedy(prompt))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == offline[prompt]
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == MAX_TOKENS
+        t = body["timings"]
+        assert t["ttft_ms"] > 0 and t["tpot_ms"] > 0 and t["e2e_ms"] >= t["ttft_ms"]
+
+
+def test_streaming_is_parsed_and_equals_the_whole(server, offline):
+    prompt = PROMPTS[1]
+    with httpx.stream("POST", server + "/v1/completions", timeout=60,
+                      json=greedy(prompt, stream=True, stream_options={"include_usage": True})) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert len(chunks) > 3 and all(e["object"] == "text_completion" for e in chunks)
+    assert "".join(c["text"] for e in chunks for c in e["choices"]) == offline[prompt]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["usage"]["completion_tokens"] == MAX_TOKENS and events[-2]["timings"]["ttft_ms"] > 0
+
+
+def test_chat_completion_stream_and_whole_agree(server):
+    body = {"messages": [{"role": "system", "content": "A story."}, {"role": "user", "content": "Tell me one."}],
+            "max_tokens": 10, "temperature": 0}
+    whole = httpx.post(server + "/v1/chat/completions", json=body, timeout=60).json()
+    msg = whole["choices"][0]["message"]
+    assert whole["object"] == "chat.completion" and msg["role"] == "assistant" and msg["content"]
+    with httpx.stream("POST", server + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        events = sse_events(r.iter_lines())
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["delta"].get("content", "") for e in events[:-1] for c in e["choices"])
+    assert text == msg["content"]
+
+
+def test_llama_cpp_completion(server, offline):
+    prompt = PROMPTS[2]
+    r = httpx.post(server + "/completion", json={"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0,
+                                                 "ignore_eos": True}, timeout=60).json()
+    assert r["content"] == offline[prompt] and r["stop"] is True and r["tokens_predicted"] == MAX_TOKENS
+    assert r["stop_type"] == "limit" and r["timings"]["predicted_n"] == MAX_TOKENS
+    with httpx.stream("POST", server + "/completion", timeout=60,
+                      json={"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                            "stream": True}) as s:
+        events = sse_events(s.iter_lines())
+    assert "".join(e["content"] for e in events) == offline[prompt] and events[-1]["stop"] is True
+
+
+def test_sampling_fields(server, offline):
+    prompt = PROMPTS[0]
+    a = completion(server, prompt=prompt, max_tokens=10, temperature=1.0, top_p=0.9, top_k=20, min_p=0.05,
+                   seed=11, n=2, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2).json()
+    b = completion(server, prompt=prompt, max_tokens=10, temperature=1.0, top_p=0.9, top_k=20, min_p=0.05,
+                   seed=11, n=2, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2).json()
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]  # seeded: reproducible
+    assert [c["index"] for c in a["choices"]] == [0, 1]
+    with httpx.stream("POST", server + "/v1/completions", timeout=60,
+                      json={"prompt": prompt, "max_tokens": 10, "temperature": 1.0, "top_p": 0.9, "top_k": 20,
+                            "min_p": 0.05, "seed": 11, "n": 2, "presence_penalty": 0.5, "frequency_penalty": 0.3,
+                            "repetition_penalty": 1.2, "stream": True}) as r:
+        events = sse_events(r.iter_lines())
+    streamed = ["", ""]
+    for e in events[:-1]:
+        for c in e["choices"]:
+            streamed[c["index"]] += c["text"]
+    assert streamed == [c["text"] for c in a["choices"]]
+    # logit_bias can force a token; logprobs list the chosen token and the top ones
+    forced = completion(server, prompt=prompt, max_tokens=4, temperature=0, ignore_eos=True,
+                        logit_bias={"300": 100}, logprobs=3).json()["choices"][0]
+    lp = forced["logprobs"]
+    assert len(lp["tokens"]) == 4 and all(len(t) == 3 for t in lp["top_logprobs"])
+    assert all(v <= 0 for v in lp["token_logprobs"])
+    token = httpx.post(server + "/v1/completions", json={"prompt": [1, 300, 300, 300, 300], "max_tokens": 1},
+                       timeout=60)
+    assert token.status_code == 200
+    # stop strings cut the text where they begin
+    full = offline[PROMPTS[0]]
+    stop = full[4:9]
+    cut = completion(server, **greedy(prompt, stop=[stop])).json()["choices"][0]
+    assert cut["text"] == full[:full.index(stop)] and cut["finish_reason"] == "stop"
+    with httpx.stream("POST", server + "/v1/completions", json=greedy(prompt, stop=[stop], stream=True),
+                      timeout=60) as r:
+        events = sse_events(r.iter_lines())
+    streamed = "".join(c["text"] for e in events[:-1] for c in e["choices"])
+    assert streamed == cut["text"]  # text that might begin a stop string is held back, never sent
+    # several prompts in one request
+    many = completion(server, **greedy(PROMPTS[:2])).json()
+    assert [c["text"] for c in many["choices"]] == [offline[p] for p in PROMPTS[:2]]
+
+
+def test_concurrent_clients_equal_offline_greedy(server, offline):
+    """32+ clients at once, half streaming, all get exactly the offline greedy text."""
+    async def one(client, i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 2:
+            r = await client.post(server + "/v1/completions", json=greedy(prompt))
+            return prompt, r.json()["choices"][0]["text"]
+        async with client.stream("POST", server + "/v1/completions", json=greedy(prompt, stream=True)) as r:
+            lines = [line async for line in r.aiter_lines()]
+        return prompt, "".join(c["text"] for e in sse_events(lines)[:-1] for c in e["choices"])
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=40)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(36)))
+
+    results = asyncio.run(main())
+    assert len(results) == 36
+    for prompt, text in results:
+        assert text == offline[prompt]
+
+
+# ---- aborts and errors --------------------------------------------------------------------------
+def test_disconnect_frees_pages(server):
+    in_use = lambda: metric(server, "uacompile:kv_pages_in_use")  # noqa: E731
+    assert wait_for(lambda: in_use() == 0)
+    aborted = metric(server, "uacompile:requests_aborted_total")
+    body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", server + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data:") for line in got)
+            assert in_use() > 0
+        # leaving the block closes the connection mid-stream
+    assert wait_for(lambda: in_use() == 0, 10), "the disconnected request still holds pages"
+    assert metric(server, "uacompile:requests_aborted_total") == aborted + 1
+    # a non-streaming client that gives up is aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    assert wait_for(lambda: metric(server, "uacompile:requests_aborted_total") == aborted + 2, 10)
+    assert wait_for(lambda: in_use() == 0, 10)
+
+
+BAD = [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    ({"max_tokens": 4}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens must be an int >= 1"),
+    ({"prompt": "a", "max_tokens": "7"}, 400, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 10 ** 6}, 400, "exceeds the context"),
+    ({"prompt": "a " * 3000, "max_tokens": 4}, 400, "context"),
+    ({"prompt": "a", "model": "gpt-4"}, 404, "does not exist"),
+    ({"prompt": "a", "n": 1000}, 400, "n must be at most"),
+    ({"prompt": "a", "temperature": -1}, 400, "temperature must be a number in [0, inf]"),
+    ({"prompt": "a", "top_p": 1.5}, 400, "top_p must be a number in (0, 1]"),
+    ({"prompt": "a", "min_p": 2}, 400, "min_p must be a number in [0, 1]"),
+    ({"prompt": "a", "presence_penalty": 3}, 400, "presence_penalty must be a number in [-2, 2]"),
+    ({"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty must be a number in (0, 100]"),
+    ({"prompt": "a", "logprobs": 50}, 400, "logprobs must be an int in [0, 20]"),
+    ({"prompt": "a", "logit_bias": {"99999": 1}}, 400, "outside the vocabulary"),
+    ({"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias keys"),
+    ({"prompt": [1, 99999]}, 400, "outside the vocabulary"),
+    ({"prompt": []}, 400, "empty"),
+    ({"prompt": "a", "seed": 2 ** 70}, 400, "seed"),
+]
+
+
+@pytest.mark.parametrize("body,status,needle", BAD)
+def test_bad_requests_get_openai_errors(server, body, status, needle):
+    if isinstance(body, bytes):
+        r = httpx.post(server + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(server + "/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"], err
+
+
+def test_bad_chat_requests(server):
+    for body, needle in (({"messages": []}, "non-empty"), ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+                         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text content"),
+                         ({"messages": "hi"}, "messages")):
+        r = httpx.post(server + "/v1/chat/completions", json=body)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=False)
+                       | st.text(max_size=12), lambda c: st.lists(c, max_size=4)
+                       | st.dictionaries(st.text(max_size=6), c, max_size=4), max_leaves=8)
+FIELDS = {"prompt": st.text(max_size=40) | st.lists(st.integers(-5, 600), max_size=8) | JSONISH,
+          "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bot"]),
+                                                      "content": st.text(max_size=20) | JSONISH}), max_size=3)
+          | JSONISH,
+          "max_tokens": st.integers(-3, 6) | st.sampled_from([10 ** 9, None]) | JSONISH,
+          "n_predict": st.integers(-2, 6) | JSONISH,
+          "temperature": st.floats(-1, 3) | JSONISH, "top_p": st.floats(-0.5, 1.5) | JSONISH,
+          "top_k": st.integers(-3, 600) | JSONISH, "min_p": st.floats(-1, 2) | JSONISH,
+          "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),
+          "repetition_penalty": st.floats(-1, 3), "seed": st.integers(-2 ** 65, 2 ** 65) | JSONISH,
+          "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=3) | JSONISH,
+          "n": st.integers(-1, 4) | JSONISH, "logprobs": st.integers(-2, 25) | st.booleans() | JSONISH,
+          "top_logprobs": st.integers(-2, 25) | JSONISH,
+          "logit_bias": st.dictionaries(st.text(max_size=4) | st.integers(0, 600).map(str), st.floats(-200, 200),
+                                        max_size=3) | JSONISH,
+          "stream": st.booleans() | JSONISH, "model": st.sampled_from(["stories260K", "other"]) | JSONISH,
+          "ignore_eos": st.booleans(), "echo": st.booleans() | JSONISH, "stream_options": JSONISH}
+BODIES = st.dictionaries(st.sampled_from(sorted(FIELDS)), st.just(None), max_size=8).flatmap(
+    lambda keys: st.fixed_dictionaries({k: FIELDS[k] for k in keys}))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/completion"]), body=BODIES)
+def test_fuzzed_bodies_never_get_a_5xx(server, path, body):
+    if body.get("max_tokens") is None and body.get("n_predict") is None:
+        body["max_tokens"] = body["n_predict"] = 4  # bounded generation: no default to the full context
+    with httpx.Client(timeout=60) as client:
+        r = client.post(server + path, content=json.dumps(body))
+        if r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"):
+            for line in r.iter_lines():
+                assert '"type": "server_error"' not in line, line
+        assert r.status_code < 500, (r.status_code, r.text[:300])
+        if r.status_code >= 400:
+            assert "message" in r.json()["error"]
+        assert client.get(server + "/health").status_code == 200
+
+
+def test_raw_garbage_bodies(server):
+    for raw in (b"", b"\xff\xfe", b"null", b'"x"', b"1e999", b'{"prompt": NaN}', b"{" * 5000):
+        for path in ("/v1/completions", "/v1/chat/completions", "/completion"):
+            r = httpx.post(server + path, content=raw)
+            assert 400 <= r.status_code < 500, (path, raw[:20], r.status_code, r.text[:200])
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_overload_gets_503_with_retry_after():
+    with running_server(max_num_seqs=1, max_queue=1) as (url, _):
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True}
+                return await asyncio.gather(*(client.post(url + "/v1/completions", json=body) for _ in range(6)))
+
+        rs = asyncio.run(main())
+        codes = sorted(r.status_code for r in rs)
+        assert codes.count(200) >= 2 and 503 in codes, codes
+        busy = next(r for r in rs if r.status_code == 503)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "server_overloaded"
+
+
+def test_api_key():
+    with running_server(api_key="sekret") as (url, _):
+        body = {"prompt": "One day", "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+        assert httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+        r = httpx.get(url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def test_openai_client(server, offline):
+    import openai
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model="stories260K", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == offline[PROMPTS[0]]
+    chunks = client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=5, stream=True)
+    assert sum(1 for c in chunks for _ in c.choices) >= 2
+
+
+# ---- soak ---------------------------------------------------------------------------------------
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_soak_leaks_no_pages_and_no_memory():
+    """A few thousand tiny requests (mixed endpoints, streaming and not, some aborted by the client):
+    afterwards no page is held, the engine tracks no request, and memory is flat after a warm-up."""
+    engine = make_engine(max_num_seqs=16, page_size=4)
+    with running_server(engine) as (url, _):
+        async def burst(n, client):
+            sem = asyncio.Semaphore(16)
+
+            async def one(i):
+                async with sem:
+                    prompt = PROMPTS[i % len(PROMPTS)] + " " + str(i)
+                    if i % 7 == 0:
+                        async with client.stream("POST", url + "/v1/completions",
+                                                 json={"prompt": prompt, "max_tokens": 2, "stream": True}) as r:
+                            async for _ in r.aiter_lines():
+                                pass
+                    elif i % 11 == 0:
+                        await client.post(url + "/v1/chat/completions",
+                                          json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 2})
+                    else:
+                        r = await client.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+                        assert r.status_code == 200, r.text
+
+            await asyncio.gather(*(one(i) for i in range(n)))
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=16)) as client:
+                await burst(300, client)  # warm-up: caches, allocator pools
+                before = _rss_mb()
+                start = time.monotonic()
+                await burst(2000, client)
+                return before, _rss_mb(), time.monotonic() - start
+
+        before, after, seconds = asyncio.run(main())
+        print(f"soak: 2000 requests in {seconds:.1f} s, RSS {before:.0f} -> {after:.0f} MB")
+        assert wait_for(lambda: metric(url, "uacompile:kv_pages_in_use") == 0)
+        assert not engine.requests and not engine.has_unfinished()
+        engine.scheduler.kv.check_invariants()
+        assert metric(url, "uacompile:requests_tracked") == 0
+        assert after - before < 20, f"RSS grew {after - before:.1f} MB over 2000 requests"
+        assert seconds < 60, seconds
+
+
+# ---- the command and the trace ------------------------------------------------------------------
+def check_trace(path):
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {(e.get("cat"), e["name"]) for e in events}
+    for want in (("scheduler", "step"), ("scheduler", "execute"), ("kernel", "paged_attention"),
+                 ("kernel", "reshape_and_cache"), ("counter", "kv_pages"), ("request", "add_request"),
+                 ("request", "finish")):
+        assert want in names, want
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+def test_trace_is_written_at_shutdown(tmp_path):
+    from uacompile.runtime.trace import Tracer
+
+    engine, tracer, path = make_engine(), Tracer(), tmp_path / "trace.json"
+    engine.set_tracer(tracer)
+    with running_server(engine, tracer=tracer, trace_path=path) as (url, _):
+        assert completion(url, prompt="One day", max_tokens=4).status_code == 200
+    check_trace(path)
+
+
+@pytest.mark.slow
+def test_serve_command_writes_a_chrome_trace(tmp_path):
+    """`uacompile serve` in its own process: loopback, then SIGINT writes the trace."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trace = tmp_path / "trace.json"
+    proc = subprocess.Popen([sys.executable, "-m", "uacompile.cli", "serve", "--model", stories_path(),
+                             "--port", str(port), "--cpu-threads", "1", "--trace", str(trace),
+                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up():
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return proc.poll() is None and False
+
+        assert wait_for(up, 90), proc.stdout.read() if proc.poll() is not None else "server did not come up"
+        assert completion(url, prompt="One day", max_tokens=4).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    check_trace(trace)
+
+
+@pytest.mark.parametrize("args,needle", [(["--model", "/nonexistent.gguf"], "does not exist"),
+                                         (["--model", "MODEL", "--policy", "lifo"], "policy must be one of"),
+                                         (["--model", "MODEL", "--page-size", "0"], "page_size must be")])
+def test_serve_command_errors_are_one_line(capsys, args, needle):
+    from uacompile.cli import main
+
+    assert main(["serve", *[stories_path() if a == "MODEL" else a for a in args]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and err.startswith("uacompile: error:"), err
