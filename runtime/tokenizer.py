@@ -215,23 +215,28 @@ class HFTokenizer(Tokenizer):
 class BPEPre:
     """How a byte-level BPE vocab splits text before the merges: the split regex of the model's
     tokenizer.json (None: GPT-2's, built into the ByteLevel pre-tokenizer), NFC normalisation first,
-    and whether a word found whole in the vocab skips the merges."""
+    whether a word found whole in the vocab skips the merges, and whether BOS is added when the GGUF
+    has no tokenizer.ggml.add_bos_token (llama.cpp's defaults per pre-tokenizer)."""
 
     regex: str | None
     nfc: bool = False
     ignore_merges: bool = False
+    add_bos: bool = False
 
 
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre (llama.cpp's name for the pre-tokenizer) -> the HF tokenizer.json it was converted from
 BPE_PRE = {
     "gpt-2": BPEPre(None),
     "qwen2": BPEPre(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                     r"|\s*[\r\n]+|\s+(?!\S)|\s+", nfc=True),
-    "llama-bpe": BPEPre(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                        r"|\s*[\r\n]+|\s+(?!\S)|\s+", ignore_merges=True),
+    "llama-bpe": BPEPre(LLAMA3_SPLIT, ignore_merges=True, add_bos=True),
+    "llama3": BPEPre(LLAMA3_SPLIT, ignore_merges=True, add_bos=True),
+    "llama-v3": BPEPre(LLAMA3_SPLIT, ignore_merges=True, add_bos=True),
     "tekken": BPEPre(r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
                      r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-                     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+                     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+", ignore_merges=True, add_bos=True),
 }
 
 
@@ -292,7 +297,7 @@ def bpe_from_gguf_fields(fields: dict) -> HFTokenizer:
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
     bos = _gguf_token_id(fields, "tokenizer.ggml.bos_token_id")
     eos = _gguf_token_id(fields, "tokenizer.ggml.eos_token_id")
-    add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", pre.add_bos)) and bos is not None
     add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
         def template(seq: str) -> str:

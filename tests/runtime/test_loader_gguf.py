@@ -300,6 +300,10 @@ def test_bpe_bos_and_errors(bpe_fields):
     assert with_bos.encode("Hello") == [1] + plain.encode("Hello") and with_bos.add_bos and not plain.add_bos
     assert with_bos.encode("Hello", add_special_tokens=False) == plain.encode("Hello")
     assert with_bos.decode(with_bos.encode("Hello")) == "Hello"
+    # without tokenizer.ggml.add_bos_token, llama.cpp's default for the pre-tokenizer: BOS for llama-bpe
+    defaults = {k: v for k, v in bpe_fields.items() if k != "tokenizer.ggml.add_bos_token"}
+    assert gguf_tokenizer({**defaults, "tokenizer.ggml.pre": "llama-bpe"}).encode("Hello")[0] == 0
+    assert not gguf_tokenizer(defaults).add_bos
     with pytest.raises(ValueError, match="tokenizer.ggml.pre 'falcon' is not supported"):
         gguf_tokenizer({**bpe_fields, "tokenizer.ggml.pre": "falcon"})
     with pytest.raises(ValueError, match="tokenizer.ggml.model 'bert' is not supported"):
