@@ -240,15 +240,27 @@ BPE_PRE = {
 }
 
 
+# token texts llama.cpp ends generation on besides the GGUF's EOS / EOT / EOM ids (chat-turn ends, a base
+# model's end of text): a Qwen instruct model stops on <|im_end|> and <|endoftext|> both, as with transformers
+GGUF_EOG_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>",
+                  "<end_of_turn>")
+
+
 def gguf_tokenizer(fields: dict) -> Tokenizer:
-    """The tokenizer a GGUF's metadata (already read into plain Python values) describes."""
+    """The tokenizer a GGUF's metadata (already read into plain Python values) describes; its
+    eos_token_ids are every end-of-generation token (EOS first)."""
     model = fields.get("tokenizer.ggml.model")
     if model == "llama":
-        return spm_from_gguf_fields(fields)
-    if model == "gpt2":
-        return bpe_from_gguf_fields(fields)
-    raise ValueError(f"GGUF tokenizer.ggml.model {model!r} is not supported "
-                     "(supported: 'llama' SentencePiece-style, 'gpt2' byte-level BPE)")
+        tok = spm_from_gguf_fields(fields)
+    elif model == "gpt2":
+        tok = bpe_from_gguf_fields(fields)
+    else:
+        raise ValueError(f"GGUF tokenizer.ggml.model {model!r} is not supported "
+                         "(supported: 'llama' SentencePiece-style, 'gpt2' byte-level BPE)")
+    marked = (_gguf_token_id(fields, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom"))
+    by_text = (i for i, t in enumerate(fields["tokenizer.ggml.tokens"]) if t in GGUF_EOG_TEXTS)
+    tok.eos_token_ids = tuple(dict.fromkeys([*tok.eos_token_ids, *(i for i in marked if i is not None), *by_text]))
+    return tok
 
 
 def _gguf_token_id(fields: dict, key: str) -> int | None:
@@ -306,9 +318,7 @@ def bpe_from_gguf_fields(fields: dict) -> HFTokenizer:
         specials = {tokens[i]: i for i, on in ((bos, add_bos), (eos, add_eos)) if on}
         tok.post_processor = processors.TemplateProcessing(
             single=template("$A"), pair=f"{template('$A')} {template('$B:1')}", special_tokens=list(specials.items()))
-    eos_ids = tuple(dict.fromkeys(i for i in (eos, _gguf_token_id(fields, "tokenizer.ggml.eot_token_id"))
-                                  if i is not None))
-    return _with_gguf_chat_fields(HFTokenizer(tok, eos_ids, bos), fields)
+    return _with_gguf_chat_fields(HFTokenizer(tok, () if eos is None else (eos,), bos), fields)
 
 
 def spm_from_gguf_fields(fields: dict) -> SPMTokenizer:

@@ -214,7 +214,7 @@ def test_gguf_config_and_tokenizer(written, hf_tokenizer):
                                                                hf.head_dim)
     assert cfg.qkv_bias == (case == "qwen2") and cfg.qk_norm == (case == "qwen3")
     assert cfg.sliding_window == (6 if case == "mistral" else 0)
-    assert cfg.eos_token_ids == (2,) and not cfg.tie_word_embeddings
+    assert cfg.eos_token_ids == (2, 0) and not cfg.tie_word_embeddings  # EOS <|im_end|>, then <|endoftext|>
     assert [loaded.tokenizer.encode(t) for t in TEXTS] == [hf_tokenizer.encode(t) for t in TEXTS]
 
 
@@ -255,7 +255,7 @@ def test_bpe_tokenizer_matches_transformers(bpe_fields, hf_tokenizer, pre):
         ref.add_tokens(["<tool_call>"])
     else:
         ref = hf_tokenizer
-    assert tok.vocab_size == len(ref) and not tok.add_bos and tok.eos_token_ids == (2,)
+    assert tok.vocab_size == len(ref) and not tok.add_bos and tok.eos_token_ids == (2, 0)
     assert (tok.chat_template, tok.bos_token, tok.eos_token) == (CHAT_TEMPLATE, "<|endoftext|>", "<|im_end|>")
     for text in TEXTS:
         ids = ref.encode(text, add_special_tokens=True)
@@ -304,6 +304,8 @@ def test_bpe_bos_and_errors(bpe_fields):
     defaults = {k: v for k, v in bpe_fields.items() if k != "tokenizer.ggml.add_bos_token"}
     assert gguf_tokenizer({**defaults, "tokenizer.ggml.pre": "llama-bpe"}).encode("Hello")[0] == 0
     assert not gguf_tokenizer(defaults).add_bos
+    # end of generation: EOS, the EOT id the file marks, then the end-of-turn / end-of-text tokens by text
+    assert gguf_tokenizer({**bpe_fields, "tokenizer.ggml.eot_token_id": 1}).eos_token_ids == (2, 1, 0)
     with pytest.raises(ValueError, match="tokenizer.ggml.pre 'falcon' is not supported"):
         gguf_tokenizer({**bpe_fields, "tokenizer.ggml.pre": "falcon"})
     with pytest.raises(ValueError, match="tokenizer.ggml.model 'bert' is not supported"):
