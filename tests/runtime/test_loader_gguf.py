@@ -11,7 +11,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("tokenizers")
 
 from model_helpers import hf_greedy, hf_logits, make_hf_model, runtime_logits  # noqa: E402
 
