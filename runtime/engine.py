@@ -120,6 +120,7 @@ class Engine:
         ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sc.page_size, self.dtype,
                                   cfg.sliding_window, ec.attention_variant)
         self.kernels = make_backend(ec.kernel_backend, ops, ec.device)
+        self.model.use_kernels(self.kernels)  # the layer ops (norms, SiLU-and-mul, RoPE) on the backend's kernels
         built = self.kernels.prepare(sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len, ec.progress)
         if built["kernels"]:
             log.info("kernels: %d ready in %.1f s (%d libraries from the cache)", built["kernels"], built["seconds"],

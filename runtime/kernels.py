@@ -1,10 +1,13 @@
-"""Kernel backends for the runtime: the four ops the executor launches, one interface.
+"""Kernel backends for the runtime: the four ops the executor launches, and the model's fused layer ops, one
+interface.
 
   tvm-cpu    TVM-LLVM kernels from uacompile.lower (the shipped CPU path)
   cuda       the generated CUDA kernels (uacompile.targets.cuda), cffi launchers on torch's stream
   reference  uacompile.reference in numpy float64 (slow; an explicit choice for debugging)
 
-Every call takes keyword tensors named as in op.params(); sizes are bound from the shapes.
+Every call takes keyword tensors named as in op.params(); sizes are bound from the shapes. The layer ops
+(rms_norm with the residual add, silu_and_mul, rope) are TorchLayerOps' torch code (the unfused model's
+arithmetic, exactly) unless a backend has kernels for them: cuda launches ir.RMSNorm / SiluAndMul / Rope.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from uacompile import binding, ir, reference
 
@@ -40,7 +44,96 @@ class KernelOps:
                    ir.SwapBlocks(num_kv_heads, head_dim, page_size, kv_dtype=dt))
 
 
-class KernelBackend:
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in float32, then back, as transformers does."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotate-half on x [T, H, D]; cos/sin [T, 1, D/2]."""
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+class TorchLayerOps:
+    """The model's layer ops in torch: the fallback of every backend without kernels for them."""
+
+    def prepare_layers(self, ops: list) -> None:
+        """Build (or load) the layer-op kernels a model will launch (ir.RMSNorm, SiluAndMul, Rope) before its
+        first step; nothing to do in torch."""
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        """RMSNorm of x's rows [N, E] times weight; with residual, of h = x + residual, returning (out, h): the
+        next residual. A backend may write h into residual and out into x (in place)."""
+        if residual is None:
+            return torch_rms_norm(x, weight, eps)
+        h = residual + x
+        return torch_rms_norm(h, weight, eps), h
+
+    def silu_and_mul(self, x):
+        """silu(gate) * up of a merged gate/up projection x [T, 2I] -> [T, I]."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope(self, x, positions, rope_theta: float, freq_factors: tuple, cos, sin):
+        """NeoX RoPE of x [T, H, D] at positions, of frequencies 1 / rope_theta^(2i / D) / freq_factors[i]
+        (ir.Rope), which the model's cos / sin tables [T, 1, D/2] hold too. Returns the rotated x (may be x itself,
+        rotated in place)."""
+        return apply_rope(x, cos, sin)
+
+
+class KernelLayerOps(TorchLayerOps):
+    """The layer ops on kernels (ir.RMSNorm, SiluAndMul, Rope): a subclass gives build_layer_kernel(op), a
+    callable over op.params() keywords. The residual stream is updated in place (rms_norm writes h into
+    residual and the norm into x), rope rotates a contiguous x in place."""
+
+    def build_layer_kernel(self, op: ir.OpSpec):
+        raise NotImplementedError
+
+    @property
+    def layer_kernels(self) -> dict:
+        """op -> its kernel, for the layer ops launched so far (built at first use)."""
+        return self.__dict__.setdefault("_layer_kernels", {})
+
+    def layer_kernel(self, key: tuple, make_op):
+        """The kernel of make_op()'s op, found by key (plain values: a hit builds no op, every layer every step)."""
+        by_key = self.__dict__.setdefault("_layer_kernels_by_key", {})
+        kern = by_key.get(key)
+        if kern is None:
+            op = make_op()
+            kern = by_key[key] = self.layer_kernels[op] = self.build_layer_kernel(op)
+        return kern
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        res = residual is not None
+        kern = self.layer_kernel(("rms_norm", x.shape[-1], x.dtype, eps, res),
+                                 lambda: ir.RMSNorm(x.shape[-1], ir.from_torch(x.dtype), float(eps), res))
+        if not res:
+            out = torch.empty_like(x)
+            kern(x=x, weight=weight, out=out)
+            return out
+        kern(x=x, residual=residual, weight=weight, out=x)  # residual += x; x = norm(residual)
+        return x, residual
+
+    def silu_and_mul(self, x):
+        inter = x.shape[1] // 2
+        out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
+        self.layer_kernel(("silu_and_mul", inter, x.dtype), lambda: ir.SiluAndMul(inter, ir.from_torch(x.dtype)))(
+            x=x, out=out)
+        return out
+
+    def rope(self, x, positions, rope_theta: float, freq_factors: tuple, cos, sin):
+        x = x.contiguous()
+        H, D = x.shape[1], x.shape[2]
+        kern = self.layer_kernel(("rope", H, D, x.dtype, rope_theta, freq_factors),
+                                 lambda: ir.Rope(H, D, ir.from_torch(x.dtype), float(rope_theta), freq_factors=freq_factors))
+        kern(x=x, positions=positions)
+        return x
+
+
+class KernelBackend(TorchLayerOps):
     name = "base"
 
     def __init__(self, ops: KernelOps):
@@ -120,7 +213,7 @@ class TVMCPUBackend(KernelBackend):
         self.fns[op.kind](**tensors)  # checks shapes, dtypes and layout itself
 
 
-class CUDABackend(KernelBackend):
+class CUDABackend(KernelLayerOps, KernelBackend):
     """Generated CUDA kernels (Jinja templates, nvcc, cffi) through uacompile.targets.cuda: launched on
     torch's current stream; a step's attention is planned once (split-KV by the step's shapes) and run
     every layer."""
@@ -152,6 +245,12 @@ class CUDABackend(KernelBackend):
         kernels += [ir.Kernel(self.ops.cache_write), ir.Kernel(self.ops.copy), ir.Kernel(self.ops.swap)]
         hits = self.api.preload(kernels, progress=progress)
         return dict(kernels=len(kernels), cached=hits, seconds=time.perf_counter() - t0)
+
+    def prepare_layers(self, ops: list) -> None:
+        self.api.preload(ops)  # one nvcc run for all of them, cached on disk
+
+    def build_layer_kernel(self, op: ir.OpSpec):
+        return self.api.kernel(op)
 
     def plan_step(self, num_tokens: int, num_seqs: int, max_kv_len: int):
         return self.planner.plan(self.ops.attention, num_tokens, num_seqs, max_kv_len, workspace=self.workspace)

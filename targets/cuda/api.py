@@ -5,6 +5,7 @@
     kern(**tensors)                    # names as in op.params(); sizes inferred from shapes
     api.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)       # op inferred from tensors
     api.copy_blocks(kv, mapping); api.swap_blocks(src, dst, mapping); out = api.merge_state(o, lse)
+    out = api.rms_norm(x, w, eps, residual=r); out = api.silu_and_mul(gate_up); api.rope(q, positions, theta)
 
 Every call checks names, dtypes, shapes (symbolic dims bound consistently), contiguity,
 alignment and devices against op.params(), and raises TypeError / ValueError naming the
@@ -236,6 +237,37 @@ def merge_state(o_partial, lse_partial, out=None, lse=None, out_dtype: torch.dty
     extra = {"lse": lse} if lse is not None else {}
     kernel(op)(o_partial=o_partial, lse_partial=lse_partial, out=out, **extra)
     return (out, lse) if lse is not None else out
+
+
+def rms_norm(x, weight, eps: float, residual=None, out=None):
+    """RMSNorm of the rows of x [T, E] (ir.RMSNorm): returns out (allocated when None; out may be x). With
+    residual [T, E], residual += x in place first and the norm is of that sum (vLLM's fused_add_rms_norm)."""
+    _need_dims("x", x, 2, "[num_tokens, hidden_size]")
+    out = torch.empty_like(x) if out is None else out
+    op = ir.RMSNorm(hidden_size=x.shape[1], dtype=_kv_dtype("x", x), eps=float(eps), residual=residual is not None)
+    extra = {"residual": residual} if residual is not None else {}
+    kernel(op)(x=x, weight=weight, out=out, **extra)
+    return out
+
+
+def silu_and_mul(x, out=None):
+    """silu(x[:, :I]) * x[:, I:] of a merged gate/up projection x [T, 2I] (ir.SiluAndMul): returns out [T, I]."""
+    _need_dims("x", x, 2, "[num_tokens, 2 * intermediate_size]")
+    if x.shape[1] % 2:
+        raise ValueError(f"x: the last dim holds gate and up halves and must be even, got shape {tuple(x.shape)}")
+    inter = x.shape[1] // 2
+    out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device) if out is None else out
+    kernel(ir.SiluAndMul(intermediate_size=inter, dtype=_kv_dtype("x", x)))(x=x, out=out)
+    return out
+
+
+def rope(x, positions, rope_theta: float, interleaved: bool = False):
+    """Rotary embedding of x [T, H, D] in place at positions [T] int64 (ir.Rope); returns x."""
+    _need_dims("x", x, 3, "[num_tokens, num_heads, head_dim]")
+    op = ir.Rope(num_heads=x.shape[1], head_dim=x.shape[2], dtype=_kv_dtype("x", x), rope_theta=float(rope_theta),
+                 interleaved=bool(interleaved))
+    kernel(op)(x=x, positions=positions)
+    return x
 
 
 def capture_graph(fns, calls: int = 1, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
