@@ -196,14 +196,6 @@ def row(w: Workload, impl: str, r: dict, fl: tuple) -> dict:
                 tpot_floor_ms=round(tpot_floor, 3))
 
 
-def free(*objs):
-    for o in objs:
-        del o
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results", help="folder for serving-<date>.json/.md/.png")
@@ -247,7 +239,10 @@ def main(argv=None) -> int:
             r = row(w, impl, run(w), fl[w.name])
             rows.append(r)
             print(json.dumps(r), flush=True)
-        free(runner, run)
+        del runner, run  # the next implementation profiles the GPU's free memory: give this one's back first
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     meta = dict(gpu=gpu, date=dt.date.today().isoformat(), model="Qwen3-8B architecture, bf16, random weights"
                 if not args.tiny else "tiny qwen3", torch=torch.__version__,
