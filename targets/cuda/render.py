@@ -192,13 +192,14 @@ def _rms_norm(op: ir.RMSNorm, arch: str):
     # a row in registers, at most 4 vectors a thread until the block is full
     threads = min(1024, max(32, _round_up(-(-chunks // 4), 32)))
     return "cuda/rms_norm.cu.j2", dict(E=op.hidden_size, vec=vec, threads=threads, residual=op.residual,
-                                       eps_c=_c_float(op.eps))
+                                       eps_c=_c_float(op.eps), c_type=ir.DTYPES[op.dtype].c)
 
 
 def _silu_and_mul(op: ir.SiluAndMul, arch: str):
     vec = vector_width(op.intermediate_size, ir.itemsize(op.dtype))
     chunks = op.intermediate_size // vec
-    return "cuda/silu_and_mul.cu.j2", dict(I=op.intermediate_size, vec=vec, threads=min(512, _round_up(chunks, 32)))
+    return "cuda/silu_and_mul.cu.j2", dict(I=op.intermediate_size, vec=vec, threads=min(512, _round_up(chunks, 32)),
+                                           c_type=ir.DTYPES[op.dtype].c)
 
 
 def _rope(op: ir.Rope, arch: str):
@@ -212,6 +213,7 @@ def _rope(op: ir.Rope, arch: str):
     if chunks > 1024:
         raise ir.IRError("rope.head_dim", f"the CUDA template covers a head in one block (<= 1024 threads), got {op.head_dim}")
     return "cuda/rope.cu.j2", dict(H=op.num_heads, D=op.head_dim, vec=vec, interleaved=op.interleaved,
+                                   c_type=ir.DTYPES[op.dtype].c,
                                    heads_per_pass=max(1, min(op.num_heads, 256 // chunks)),
                                    inv_freq=_inv_freq(op.rope_theta, op.head_dim, op.freq_factors))
 
