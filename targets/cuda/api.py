@@ -24,6 +24,8 @@ from .loader import load
 HOST_OK = {"swap_blocks": {"src", "dst", "src_scales", "dst_scales", "mapping"}}
 INDEX_DTYPES = ("int32", "int64")
 ALIGN = 16  # bytes: data tensors are read with 16-byte vectors
+# the current stream's handle as an int, without making a torch.cuda.Stream a call (as Triton's launcher reads it)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _error_name(code: int) -> str:
@@ -84,7 +86,8 @@ class CudaKernel:
     def launch(self, args: list, device: torch.device) -> None:
         """Run the launcher on torch's current stream of device with C arguments from bind()."""
         if device.index == torch.cuda.current_device():  # the launcher runs on the current device
-            rc = self.fn(*args, self.ffi.cast("void*", torch.cuda.current_stream().cuda_stream))
+            stream = _raw_stream(device.index) if _raw_stream else torch.cuda.current_stream().cuda_stream
+            rc = self.fn(*args, self.ffi.cast("void*", stream))
         else:
             with torch.cuda.device(device):
                 rc = self.fn(*args, self.ffi.cast("void*", torch.cuda.current_stream(device).cuda_stream))
@@ -98,27 +101,26 @@ class CudaKernel:
 
 class Launcher:
     """A CudaKernel's call with some arguments bound once: made from one full check of every argument, each call
-    checks only the varying tensors against the dtype, shape, device and layout they had then (anything else is
-    re-checked in full, so a mismatch raises the same error a plain call would) and swaps in their pointers.
-    The fixed tensors must stay alive and keep their data where they are (a plan's step inputs and workspaces)."""
+    takes the varying tensors (positionally, in the order `varying` named them) and checks only them against the
+    dtype, shape, device and layout they had then (anything else is re-checked in full, so a mismatch raises the
+    same error a plain call would) before swapping in their pointers. The fixed tensors must stay alive and keep
+    their data where they are (a plan's step inputs and workspaces)."""
 
     def __init__(self, kernel: CudaKernel, fixed: dict, varying: dict):
-        self.kernel, self.fixed = kernel, dict(fixed)
+        self.kernel, self.fixed, self.names = kernel, dict(fixed), tuple(varying)
         self.args, self.device = kernel.bind({**fixed, **varying})
         order = [p.name for p in kernel.tensor_specs]
-        self.slots = tuple((name, order.index(name), t.dtype, tuple(t.shape)) for name, t in varying.items()
-                           if t is not None)
-        self.cast = kernel.ffi.cast
+        self.slots = tuple((order.index(name), t.dtype, tuple(t.shape)) for name, t in varying.items())
+        self.cast, self.void_p = kernel.ffi.cast, kernel.ffi.typeof("void*")
 
-    def __call__(self, **varying) -> None:
-        args, cast, device = list(self.args), self.cast, self.device
-        for name, i, dtype, shape in self.slots:
-            t = varying[name]
+    def __call__(self, *tensors) -> None:
+        args, cast, void_p, device = list(self.args), self.cast, self.void_p, self.device
+        for t, (i, dtype, shape) in zip(tensors, self.slots):
             if (t.dtype is not dtype or t.shape != shape or t.device != device or not t.is_contiguous()
-                    or t.data_ptr() % ALIGN):
-                args, _ = self.kernel.bind({**self.fixed, **varying})  # the full check's error, or its arguments
+                    or t.data_ptr() % ALIGN):  # the full check: its error, or the arguments of what was given
+                args, _ = self.kernel.bind({**self.fixed, **dict(zip(self.names, tensors))})
                 break
-            args[i] = cast("void*", t.data_ptr())
+            args[i] = cast(void_p, t.data_ptr())
         self.kernel.launch(args, device)
 
 
