@@ -330,11 +330,13 @@ def plot(meta: dict, path: Path) -> None:
     seed = [r for r in rows if r["workload"] == "seed"]
     if seed:
         x = np.arange(len(seed))
-        axes[2].bar(x - 0.2, [r["tpot_ms"] for r in seed], 0.4, label="TPOT (ms)")
-        axes[2].bar(x + 0.2, [r["ttft_mean_s"] * 100 for r in seed], 0.4, label="mean TTFT (x10 ms)")
-        axes[2].axhline(seed[0]["tpot_floor_ms"], color="k", ls="--", lw=1, label="TPOT floor")
+        axes[2].bar(x - 0.27, [r["decode_step_ms"] for r in seed], 0.27, label="decode step (ms)")
+        axes[2].bar(x, [r["tpot_ms"] for r in seed], 0.27, label="TPOT (ms)")
+        axes[2].bar(x + 0.27, [r["ttft_mean_s"] * 1e3 for r in seed], 0.27, label="mean TTFT (ms)")
+        axes[2].axhline(seed[0]["tpot_floor_ms"], color="k", ls="--", lw=1, label="decode floor")
+        axes[2].axhline(seed[0]["ttft_floor_s"] * 1e3, color="grey", ls=":", lw=1, label="TTFT floor")
         axes[2].set_xticks(x, [r["impl"] for r in seed], fontsize=8)
-        axes[2].set(title="Seed: 8 x 16K prompts, 256 outputs")
+        axes[2].set(yscale="log", ylabel="ms", title="Seed: 8 x 16K prompts, 256 outputs")
     for ax in axes:
         ax.legend(fontsize=8)
     fig.suptitle(f"uacompile serving, {meta['gpu']}, {meta['date']} ({meta['model']})")
