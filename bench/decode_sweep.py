@@ -1,7 +1,7 @@
 """Decode split-KV sweep on the device: fused merge vs the two-launch path vs torch SDPA.
 
     python3 bench/decode_sweep.py [--extra] [--quant] [--json PATH]  # JSON also to $OUT/decode_sweep.json
-    python3 bench/decode_sweep.py --candidates [NAME,...]      # decode fixed-cost designs side by side
+    python3 bench/decode_sweep.py --candidates [NAME,...]      # decode launch designs side by side
 
 Rows are bench/attention_bench.py's decode shapes (bf16, Hq 32, Hkv 8, D 128, page 16, random
 page order); --extra adds shapes that probe the split rule (attention.choose_splits) off those
@@ -14,7 +14,7 @@ stream that was warmed up first, so the graph holds only the kernels), rotating 
 copies to defeat the L2. Every configuration's output is poisoned, computed and compared with
 SDPA first; the exit status is 1 when one differs.
 
---candidates: the template's decode design knobs (attention.DESIGN_KNOBS; CANDIDATES below), each
+--candidates: paged_attention()'s design knobs (attention.DESIGN_KNOBS; CANDIDATES below), each
 built in its own spawned process (attention.load_designs), timed on CANDIDATE_SHAPES at the auto
 split with the fused merge: one table of GB/s (us) a candidate and shape, torch SDPA as the last
 row, and the change in us against the production build ("default") per cell; CANDIDATE_QUANT_SHAPES
@@ -46,24 +46,10 @@ MIN_POSITIONS = 64  # a split shorter than this is not worth timing
 TOLERANCE = 2e-2  # bf16 output vs SDPA
 
 
-# name -> design ("k=v,..."; "" = production). See the template's header comment for each knob.
+# name -> design ("k=v,..."; "" = production): attention.DESIGN_KNOBS, read by paged_attention()
 CANDIDATES = {
-    "default": "",  # production: prologue=spec, merge=lean, grid=flat, pdl=1 (NOTES v15), decode=only
-    "mixed": "decode=mixed",  # decode steps on the one mixed kernel (before session 11)
-    "session3": "prologue=chain,merge=fence,grid=planes,pdl=0",
-    "no-spec": "prologue=chain",
-    "no-lean": "merge=fence",
-    "no-flat": "grid=planes",
-    "no-pdl": "pdl=0",
-    # after "|": nvcc flags (the template's experiment switches; NOTES v18)
-    "no-l2-hint": "|-DUA_CP_L2_PREFETCH=0",
-    "l2-256": "|-DUA_CP_L2_PREFETCH=256",
-    "prefill-item-off": "|-DUA_PREFILL_ITEM=0",  # before v23 (prefill per-item cost): decode rows did not move
-    "lean-off": "|-DUA_SOFTMAX_LEAN=0",  # the softmax before v21 (decode warps share softmax_core)
-    "quant-dequant": "|-DUA_QUANT_FAST=0",  # quantised decode through the smem dequantising pass (before v22)
-    # the 16-bit K/V tile layout (v36): production swizzles the rows since session 9
-    "padded": "|-DUA_TILE_SWIZZLE=0",
-    "swizzled": "|-DUA_TILE_SWIZZLE=1",
+    "default": "",  # production: decode=only
+    "mixed": "decode=mixed",  # decode steps on the one mixed kernel
 }
 CANDIDATE_SHAPES = [(1, 32768), (1, 4096), (8, 16384), (32, 4096), (128, 1024)]
 # (kv_dtype, B, L) rows the candidates are timed on too: GB/s counts 1-byte elements + the scales
@@ -232,7 +218,7 @@ def summary(rows) -> list[str]:
 
 def candidate_design(name: str) -> dict:
     """The knobs a candidate's paged_attention() calls read (decode, prefill): its design's, not this process'."""
-    return attention.design_of(CANDIDATES[name].partition("|")[0])
+    return attention.design_of(CANDIDATES[name])
 
 
 def candidate_ops(shapes, quant_shapes=(), design: dict | None = None) -> dict:

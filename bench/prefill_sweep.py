@@ -2,11 +2,10 @@
 ANCHORS.md's causal prefill shapes, with torch SDPA on contiguous KV in the same run, and check
 that the 8-warp decode blocks of each variant keep their speed. Run on the device:
 
-    python bench/prefill_sweep.py [--tiles 64x6,128x3:-DFLAG] [--decode] [--mixed] [--designs ";prefill=dynamic"]
+    python bench/prefill_sweep.py [--tiles 64x6,128x3] [--decode] [--mixed] [--designs ";prefill=dynamic"]
                                   [--power] [--json PATH]
 
-A tile may carry extra nvcc flags after a colon (the template's experiment switches). --designs
-compares several UACOMPILE_PA_VARIANT values (";"-separated, "" = production) in one process;
+--designs compares several UACOMPILE_PA_VARIANT values (";"-separated, "" = production) in one process;
 every variant a design launches is built in parallel before any timing. Each shape's designs and
 torch SDPA are timed interleaved (timing.time_graphs: one graph each, replayed round by round),
 so drift hits them alike; compare tiles by their ratio to the SDPA timed beside them.
@@ -65,8 +64,7 @@ def main():
     a = ap.parse_args()
     tiles = []
     for t in a.tiles.split(","):
-        shape, _, flags = t.partition(":")
-        tiles.append((*(int(x) for x in shape.split("x")), flags))
+        tiles.append(tuple(int(x) for x in t.split("x")))
     gen = torch.Generator(device="cuda").manual_seed(0)
     op = op_of()
     rows = []
@@ -76,14 +74,13 @@ def main():
         b.kv = b.contiguous_kv()
         b.want = sdpa(b.q_bhld(), *b.kv, True)
     designs = a.designs.split(";")
-    for bn, stages, flags in tiles:
+    for bn, stages in tiles:
         attention.WG_TILE[D] = (bn, stages)
-        os.environ["UACOMPILE_NVCC_FLAGS"] = flags
         api._kernels.clear()
         t0 = time.perf_counter()
         prebuild(op, designs, a.decode)
         built = time.perf_counter() - t0
-        tile = f"ua wgmma {bn}x{stages}{' ' + flags if flags else ''}"
+        tile = f"ua wgmma {bn}x{stages}"
         impls = {d: f"{tile}{' ' + d if d else ''}" for d in designs}
         spin_up_clocks()  # the builds let the clocks drop
         for (B, L), b in batches.items():

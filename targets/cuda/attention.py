@@ -218,17 +218,11 @@ def _c_float(x: float) -> str:
     return f"{float(x):.9e}f"
 
 
-# ---------------------------------------------------------------- design knobs (decode fixed cost)
-# Compile-time choices that bench/decode_sweep.py --candidates builds side by side, each in its own
-# worker process through DESIGN_ENV ("prologue=spec,merge=lean"); the template's header comment says
-# what each does. The first value of each is the production choice.
+# ---------------------------------------------------------------- design knobs (launch choices)
+# Choices paged_attention() reads through DESIGN_ENV ("prefill=static,decode=mixed"); the first value of
+# each is the production choice.
 DESIGN_ENV = "UACOMPILE_PA_VARIANT"
 DESIGN_KNOBS = {
-    # production value first (bench/NOTES-attention.md v15: all four together, -1 to -5 us a decode launch)
-    "prologue": ("spec", "chain"),  # spec: first token's metadata and Q loaded before the scan, K/V before Q's smem pass
-    "merge": ("lean", "fence"),  # lean: one acq_rel atomic an arrival, up to 32 partials in flight
-    "grid": ("flat", "planes"),  # flat: 1-D grid, decode blocks first; lone-token prefill tiles exit at once
-    "pdl": ("1", "0"),  # programmatic dependent launch (Hopper)
     # read by paged_attention(), not the render: "dynamic" launches Hopper-path ops with item_queue=True,
     # whose persistent prefill blocks take items from an atomic counter (bench/NOTES-attention.md v17:
     # 8x4096 0.80 -> 0.86x SDPA, 2x16384 0.93 -> 0.97x, interleaved timing, H200)
@@ -278,27 +272,27 @@ def design_kernels(designs: dict, ops: list, arch: str | None = None) -> dict:
     return {name: functools.cache(lambda op, lib=lib: CudaKernel(op, library=lib)) for name, lib in libs.items()}
 
 
-# Shapes of the same kernel the build may render (the template's TILE_SHAPE). ptxas serialised the wgmma
-# prefill (C7511: 0.72x prefill, session 8) of some kernels, a different set for each shape of unrelated
-# decode code (sm_90, bf16 D 128, splits 1..64: shape 0 serialised 2, 4, 8, 16, 33, 48; shape 1: 1, 8, 32;
-# padded rows, production before session 9: 2, 8, 16, 33, 48). The cause was the half-wide last tile's
-# scores aliasing the first half of S (bench/NOTES-attention.md v37, UA_PREFILL_HALF_OWN): since then the
-# CPU census (bench/wgmma_census.py) finds no serialised kernel in shape 0, so build() keeps shape 0; it still
-# renders a kernel ptxas serialises again with the next shape. Entry i: what shape i is.
-CODE_SHAPES = (
-    "swizzled K/V rows, V's ldmatrix addresses made once a tile",
-    "swizzled K/V rows, V's ldmatrix addresses made at each use",
-    "padded K/V rows (16 bytes a row; lines split across smem segments)",
-)
+# Per-shape choices of the template that are not part of the tile layout (the autotuner's to search, with Layout).
+CP_PRODUCER_BELOW = 8  # Hopper path: pages under this many positions are copied by the producer warps' cp.async, not TMA
 
 
-def template_context(op: ir.PagedAttention, arch: str = "sm_90", shape: int = 0) -> tuple[str, dict]:
+def cp_row_lanes(head_dim: int) -> int:
+    """Hopper path, cp.async producer: lanes that copy one K/V row (the copies are issue-bound: each lane keeps >= 4
+    16-byte chunks of the padded row)."""
+    return 2 if wgmma_width(head_dim) == 64 else 4
+
+
+Q_PREFETCH_MIN = 1024  # Hopper path: bytes of a token's Q rows (G * D * 2) from which the V producer prefetches them into L2
+
+
+def pdl(arch: str) -> bool:
+    """Whether the kernel launches with programmatic dependent launch (griddepcontrol, on the Hopper archs)."""
+    return arch in HOPPER_ARCHS
+
+
+def template_context(op: ir.PagedAttention, arch: str = "sm_90") -> tuple[str, dict]:
     check(op)
-    if not 0 <= shape < len(CODE_SHAPES):
-        raise ValueError(f"shape: expected 0..{len(CODE_SHAPES) - 1} (attention.CODE_SHAPES), got {shape}")
     lay = layout(op, arch)
-    design = design_of()
-    design["pdl"] = design["pdl"] == "1" and arch in HOPPER_ARCHS  # griddepcontrol is sm_90+
     return TEMPLATE, dict(
         variant=op.variant, unified=op.variant == "unified_masked",
         Hq=op.num_q_heads, Hkv=op.num_kv_heads, D=op.head_dim, DW=wgmma_width(op.head_dim) if lay.wgmma else op.head_dim,
@@ -308,8 +302,9 @@ def template_context(op: ir.PagedAttention, arch: str = "sm_90", shape: int = 0)
         window=op.window, softcap=op.softcap, softcap_c=_c_float(op.softcap or 1.0), alibi=op.alibi,
         scale_c=_c_float(op.sm_scale), bn_prefill=lay.bn_prefill, mt_prefill=lay.mt_prefill, kv_rows=lay.kv_rows, stages=lay.stages,
         smem_bytes=lay.smem_bytes, min_blocks=lay.min_blocks, prefill_rows=lay.prefill_rows, groups=lay.decode_groups,
-        wgmma=lay.wgmma, decode_only=op.decode_only, design=design, dynamic=dynamic_prefill(op, arch),
-        bn_wg=lay.bn_wg, stages_wg=lay.stages_wg, smem_prefill=lay.smem_prefill, code_shape=shape)
+        wgmma=lay.wgmma, decode_only=op.decode_only, pdl=pdl(arch), dynamic=dynamic_prefill(op, arch),
+        bn_wg=lay.bn_wg, stages_wg=lay.stages_wg, smem_prefill=lay.smem_prefill,
+        cp_producer_below=CP_PRODUCER_BELOW, cp_row_lanes=cp_row_lanes(op.head_dim), q_prefetch_min=Q_PREFETCH_MIN)
 
 
 # ---------------------------------------------------------------- split-KV choice

@@ -10,13 +10,13 @@ folder keeps kernels.cu and build.json beside lib.so. A failed build raises Buil
 with nvcc's message and the path of the kept source. arch: "sm_80", "sm_90", "sm_90a",
 or None = the current GPU (sm_90 without one). A template marked UA_REQUIRES_SM90A is
 built for sm_90a when arch is sm_90. Env: UACOMPILE_NVCC (default: nvcc on PATH, then
-$CUDA_HOME/bin/nvcc), UACOMPILE_NVCC_FLAGS (extra flags, part of the key). An op with several code shapes (render.code_shapes: the same
-computation rendered differently, because ptxas serialises the wgmma (C7511) of some kernels in one
-shape and not another) is built in shape 0 and, where ptxas serialised it, rebuilt in its next shape.
+$CUDA_HOME/bin/nvcc). build.json keeps nvcc's warnings and ptxas' performance notes; a kernel whose wgmma
+ptxas serialised (C7511 / C7520: serialised_kernels) is logged as a warning.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shlex
@@ -29,15 +29,19 @@ from typing import Iterable
 
 from uacompile import ir
 from uacompile.cache import cache_dir, cached_build, content_hash, toolchain_versions
-from .render import code_shapes, needs_sm90a, render_op
+from .render import needs_sm90a, render_op
+
+log = logging.getLogger(__name__)
 
 # -fno-gnu-unique: static locals of inline/template code (a launcher's "attribute set once" flag)
 # would otherwise be one object across every library of the process, so a second library of the
-# same op (a sweep's candidates) would skip its own cudaFuncSetAttribute and fail to launch.
-BASE_FLAGS = ("-O3", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fno-gnu-unique", "-std=c++17", "-lineinfo")
+# same op (a sweep's candidates) would skip its own cudaFuncSetAttribute and fail to launch. -warn-spills: ptxas' spill
+# warnings land in build.json (compiler_warnings) with the rest.
+BASE_FLAGS = ("-O3", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fno-gnu-unique", "-std=c++17", "-lineinfo",
+              "-Xptxas", "-warn-spills")
 # What build.json records, as part of the key: 2 since ptxas' "Performance Loss" lines are kept (builds cached
 # before that recorded no C75xx line, so a guard reading them passed whatever ptxas said)
-BUILD_RECORD = 3  # 3: a kernel ptxas serialised is built again with its next code shape
+BUILD_RECORD = 4  # 4: one code shape a template (no rebuild of a serialised kernel)
 # ptxas' note names the kernel: "... in the function '_ZN<len><symbol>_impl..."
 SERIALISED = re.compile(r"function '_ZN\d+(\w+?)_impl")
 
@@ -101,8 +105,7 @@ def arch_flags(arch: str, source: str) -> list[str]:
 
 
 def nvcc_flags(arch: str, source: str) -> list[str]:
-    extra = shlex.split(os.environ.get("UACOMPILE_NVCC_FLAGS", ""))
-    return [*BASE_FLAGS, *arch_flags(arch, source), *extra]
+    return [*BASE_FLAGS, *arch_flags(arch, source)]
 
 
 def serialised_kernels(warnings: list[str]) -> set[str]:
@@ -112,10 +115,7 @@ def serialised_kernels(warnings: list[str]) -> set[str]:
 
 
 def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> BuildResult:
-    """Build (or find in the cache) one .so holding the launchers of every op in ops. Where an op has
-    several code shapes (render.code_shapes), the unit is built with every op in shape 0; an op whose wgmma
-    ptxas serialised is rebuilt in its next shape until it has a clean one (shape 0 if none is), a unit of
-    mixed shapes if need be. build.json keeps each attempt."""
+    """Build (or find in the cache) one .so holding the launchers of every op in ops."""
     t0 = time.perf_counter()
     ops = [ops] if isinstance(ops, ir.OpSpec) else list(ops)
     if not ops:
@@ -126,56 +126,27 @@ def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Buil
     flags = nvcc_flags(arch, source)
     nvcc = nvcc_path()
     key = content_hash([op.to_dict() for op in ops], source, toolchain_versions(nvcc), flags, BUILD_RECORD)
-    n_shapes = {op.symbol(): code_shapes(op, arch) for op in ops}
 
     def compile_into(folder: Path) -> None:
-        started, built = time.perf_counter(), {}  # shape vector -> (its folder, serialised symbols, warnings)
-
-        def compile_shapes(shapes: tuple[int, ...]) -> None:
-            sub = folder / ("shapes-" + "".join(map(str, shapes)))
-            sub.mkdir()
-            src = source if not any(shapes) else "\n".join(render_op(op, arch, s) for op, s in zip(ops, shapes))
-            (sub / "kernels.cu").write_text(src)
-            cmd = [nvcc, *flags, "-o", str(sub / "lib.so"), str(sub / "kernels.cu")]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                kept = cache_dir() / "cuda-failed" / f"{key[:16]}.cu"
-                kept.parent.mkdir(parents=True, exist_ok=True)
-                kept.write_text(src)
-                msg = (proc.stderr or proc.stdout).strip().splitlines()
-                raise BuildError(f"nvcc failed for {[op.symbol() for op in ops]} (source kept at {kept}):\n"
-                                 + "\n".join(msg[-40:]) + f"\ncommand: {shlex.join(cmd)}")
-            warnings = compiler_warnings(proc.stderr + proc.stdout)
-            built[shapes] = (sub, serialised_kernels(warnings), warnings)
-
-        # each op's shape: the first one (in order) that ptxas did not serialise. Since v37 (the half-wide
-        # tile's scores of their own) shape 0 is clean in every op the census built, so one compile is the rule
-        # and the retry a guard against the next ptxas or template change.
-        def pick() -> tuple[int, ...]:
-            """Per op: its first clean shape built so far, else its next unbuilt one, else 0 (serialised in
-            every shape: shape 0 has the fastest decode)."""
-            chosen = []
-            for i, op in enumerate(ops):
-                tried = sorted({v[i] for v in built})
-                clean = [s for s in tried if not any(v[i] == s and op.symbol() in bad for v, (_, bad, _) in built.items())]
-                untried = [s for s in range(n_shapes[op.symbol()]) if s not in tried]
-                chosen.append(clean[0] if clean else untried[0] if untried else 0)
-            return tuple(chosen)
-
-        chosen = (0,) * len(ops)
-        while chosen not in built:
-            compile_shapes(chosen)
-            chosen = pick()
-        sub, _, warnings = built[chosen]
-        for name in ("kernels.cu", "lib.so"):
-            os.replace(sub / name, folder / name)
-        for v in built:
-            shutil.rmtree(built[v][0], ignore_errors=True)
-        attempts = [dict(shapes=dict(zip([o.symbol() for o in ops], v)), serialised=sorted(bad)) for v, (_, bad, _) in built.items()]
+        started = time.perf_counter()
+        (folder / "kernels.cu").write_text(source)
+        cmd = [nvcc, *flags, "-o", str(folder / "lib.so"), str(folder / "kernels.cu")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            kept = cache_dir() / "cuda-failed" / f"{key[:16]}.cu"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text(source)
+            msg = (proc.stderr or proc.stdout).strip().splitlines()
+            raise BuildError(f"nvcc failed for {[op.symbol() for op in ops]} (source kept at {kept}):\n"
+                             + "\n".join(msg[-40:]) + f"\ncommand: {shlex.join(cmd)}")
+        warnings = compiler_warnings(proc.stderr + proc.stdout)
+        serialised = sorted(serialised_kernels(warnings))
+        if serialised:
+            log.warning("ptxas serialised the wgmma of %s (%s): expect slow prefill", serialised, arch)
         (folder / "build.json").write_text(json.dumps(
             dict(ops=[op.to_dict() for op in ops], arch=arch, flags=flags, nvcc=toolchain_versions(nvcc),
-                 seconds=round(time.perf_counter() - started, 3), warnings=warnings,
-                 code_shapes=dict(zip([o.symbol() for o in ops], chosen)), attempts=attempts), indent=1, default=str))
+                 seconds=round(time.perf_counter() - started, 3), warnings=warnings, serialised=serialised),
+            indent=1, default=str))
 
     folder, hit = cached_build("cuda", key, compile_into)
     return BuildResult(folder / "lib.so", hit, time.perf_counter() - t0, key, arch)

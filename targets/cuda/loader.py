@@ -63,20 +63,16 @@ def load(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Kerne
 
 # ---------------------------------------------------------------- design candidates side by side
 def _build_design(env_var: str, design: str, ops: list, arch: str | None) -> str:
-    """In a spawned worker: build ops with the design's knobs in env_var and, after a "|", extra nvcc
-    flags (the templates' experiment switches, UACOMPILE_NVCC_FLAGS); the library path."""
+    """In a spawned worker: build ops with the design's knobs in env_var; the library path."""
     import os
 
-    knobs, _, flags = design.partition("|")
-    os.environ[env_var] = knobs
-    os.environ["UACOMPILE_NVCC_FLAGS"] = flags
+    os.environ[env_var] = design
     return str(build(ops, arch).path)
 
 
 def load_designs(env_var: str, designs: dict, ops: list, arch: str | None = None) -> dict:
     """{name: KernelLibrary, or the exception its build raised}: ops built once per design
-    ("k=v,..." in env_var, which the template's context builder reads at render, then optionally
-    "|nvcc flags"; "" is production),
+    ("k=v,..." in env_var, which the template's context builder reads at render; "" is production),
     each in its own spawned process so that no build sees another's knobs, nvcc runs in parallel."""
     import multiprocessing
     import os

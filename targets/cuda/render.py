@@ -167,8 +167,8 @@ def _attention():
     return importlib.import_module(".attention", __package__)
 
 
-def _paged_attention(op, arch: str, shape: int = 0):
-    return _attention().template_context(op, arch, shape)
+def _paged_attention(op, arch: str):
+    return _attention().template_context(op, arch)
 
 
 CONTEXT_BUILDERS = {
@@ -180,23 +180,11 @@ CONTEXT_BUILDERS = {
 }
 
 
-def code_shapes(op: ir.OpSpec, arch: str = "sm_90") -> int:
-    """How many shapes of the same code op's template renders for arch (render_op's shape; build.py tries
-    them for kernels whose wgmma ptxas serialised). 1 for templates without alternatives and for kernels
-    without wgmma (nothing to serialise)."""
-    if op.kind != "paged_attention" or not _attention().uses_wgmma(op, arch):
-        return 1
-    return len(_attention().CODE_SHAPES)
-
-
-def render_op(op: ir.OpSpec, arch: str = "sm_90", shape: int = 0) -> str:
-    """The complete CUDA source (header included) of op for arch, with its extern "C" launcher; shape
-    picks one of code_shapes(op) renderings of the same computation."""
+def render_op(op: ir.OpSpec, arch: str = "sm_90") -> str:
+    """The complete CUDA source (header included) of op for arch, with its extern "C" launcher."""
     if op.kind not in CONTEXT_BUILDERS:
         raise ir.IRError("op", f"has no CUDA template: {op.kind!r} (have {sorted(CONTEXT_BUILDERS)})")
-    if not 0 <= shape < code_shapes(op, arch):
-        raise ValueError(f"shape: {op.kind} has {code_shapes(op, arch)} code shape(s) on {arch}, got {shape}")
-    template, ctx = CONTEXT_BUILDERS[op.kind](op, arch, shape) if shape else CONTEXT_BUILDERS[op.kind](op, arch)
+    template, ctx = CONTEXT_BUILDERS[op.kind](op, arch)
     common = dict(op=op, symbol=op.symbol(), ns=f"{op.symbol()}_impl", signature=ir.c_signature(op), ctype=CTYPE)
     return environment().get_template(template).render(**common, **ctx)
 

@@ -207,99 +207,6 @@ def test_graph_replays_find_the_counters_reset(api, rng):
                            out, lse, counters)
 
 
-# ---------------------------------------------------------------- the decode design knobs
-# attention.DESIGN_KNOBS (bench/decode_sweep.py --candidates times them); production (spec, lean, flat,
-# pdl) runs in every other test here. These are the other knob values: session 3's design, and the
-# production prologue and merge on session 3's grid. The mixed and interleaved cases make the
-# speculative guess wrong for some groups (a lone token whose rank is not its index).
-DESIGNS = {"session3": "prologue=chain,merge=fence,grid=planes,pdl=0", "spec-lean-planes": "grid=planes,pdl=0"}
-G4 = OPS["g4-bf16-d128-p16"].replace(return_lse=True)
-DESIGN_SPLITS = (1, 7, 32)
-
-
-def _design_ops():
-    return list(dict.fromkeys([*(fused(G4, s) for s in DESIGN_SPLITS), fused(ALL_OPTIONS, 7), fused(D256, 3)]))
-
-
-@pytest.fixture(scope="module")
-def design_kernels():
-    """{design: kernel_of(op)}: each design's library, built in its own process."""
-    torch_ = pytest.importorskip("torch")
-    if not torch_.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    return attention.design_kernels(DESIGNS, _design_ops())
-
-
-@gpu
-@pytest.mark.parametrize("splits", DESIGN_SPLITS)
-@pytest.mark.parametrize("design", list(DESIGNS))
-def test_design_decode_matches_reference(design_kernels, rng, design, splits):
-    inputs = testing.attention_inputs(G4, rng, DECODE_LENS)
-    outs = run_fused(None, G4, splits, inputs, kernel_of=design_kernels[design])
-    check_outputs(f"{design}/s{splits}", G4, inputs, outs["out"], outs["lse"])
-    if splits > 1:
-        assert not outs["split_counters"].any()
-
-
-@gpu
-@pytest.mark.parametrize("case", ["mixed", "interleaved", "long"])
-@pytest.mark.parametrize("design", list(DESIGNS))
-def test_design_mixed_ubatches(design_kernels, rng, design, case):
-    if case == "mixed":
-        inputs = testing.attention_inputs(G4, rng, **MIXED)
-    elif case == "long":
-        inputs = testing.attention_inputs(G4, rng, kv_lens=[1500, 1200, 3], q_lens=[1500, 500, 3])
-    else:
-        inputs = testing.attention_inputs(G4, rng, [900, 400, 1500], [3, 3, 70])
-        perm = np.concatenate([[0, 3, 1, 4, 2, 5], 6 + np.arange(70)[::-1]])
-        for k in ("q", "token_seq", "token_kv_len"):
-            inputs[k] = np.ascontiguousarray(inputs[k][perm])
-    for splits in (1, 7):
-        outs = run_fused(None, G4, splits, inputs, kernel_of=design_kernels[design])
-        check_outputs(f"{design}/{case}/s{splits}", G4, inputs, outs["out"], outs["lse"])
-        if splits > 1:
-            assert not outs["split_counters"].any()
-
-
-@gpu
-@pytest.mark.parametrize("op, splits", [(ALL_OPTIONS, 7), (D256, 3)], ids=["int8-window-softcap-alibi", "d256"])
-@pytest.mark.parametrize("design", list(DESIGNS))
-def test_design_with_options(design_kernels, rng, design, op, splits):
-    inputs = testing.attention_inputs(op, rng, [2000, 299, 300, 301, 5, 900])
-    outs = run_fused(None, op, splits, inputs, kernel_of=design_kernels[design])
-    check_outputs(f"{design}/s{splits}", op, inputs, outs["out"], outs["lse"])
-
-
-@gpu
-@pytest.mark.parametrize("design", list(DESIGNS))
-def test_design_back_to_back_in_a_graph(design_kernels, rng, design):
-    """Three launches captured back to back sharing the partial and counter workspaces (with pdl,
-    programmatic edges: each waits for the previous launch before touching memory), replayed twice."""
-    op, splits = fused(G4, 32), 32
-    kern = design_kernels[design](op)
-    lens = [6000, 700, 3000]
-    cases = [testing.attention_inputs(G4, rng, lens) for _ in range(3)]
-    devs = [device_inputs(G4, c) for c in cases]
-    T = len(lens)
-    o_part = torch.empty((splits, T, G4.num_q_heads, G4.head_dim), device="cuda")
-    lse_part = torch.empty((splits, T, G4.num_q_heads), device="cuda")
-    counters = torch.zeros((T, G4.num_kv_heads), dtype=torch.int32, device="cuda")
-    outs = [(torch.empty_like(d["q"]), torch.empty(d["q"].shape[:2], device="cuda")) for d in devs]
-    launch = [lambda d=d, o=o: kern(**d, o_partial=o_part, lse_partial=lse_part, split_counters=counters,
-                                    out=o[0], lse=o[1]) for d, o in zip(devs, outs)]
-    from uacompile.targets.cuda import api as cuda_api
-
-    graph = cuda_api.capture_graph(launch)
-    for _ in range(2):
-        for o, l in outs:
-            o.fill_(float("nan")), l.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (c, (o, l)) in enumerate(zip(cases, outs)):
-            check_outputs(f"{design}/graph/{i}", G4, c, o, l)
-        assert not counters.any()
-
-
 # ---------------------------------------------------------------- CPU: the IR parameter, the split rule
 def test_fused_merge_params_signature_and_cdef():
     op = PA(32, 8, 128, 16, "bf16", "bf16", num_splits=4, fused_merge=True, return_lse=True)
@@ -317,33 +224,11 @@ def test_fused_merge_params_signature_and_cdef():
     assert "split_counters" in ir.reference_doc()
 
 
-@pytest.mark.parametrize("design", ["", *DESIGNS.values()])
-def test_designs_render(design, monkeypatch):
-    from uacompile.targets.cuda.render import render_op
-
-    monkeypatch.setenv(attention.DESIGN_ENV, design)
-    knobs = attention.design_of()
-    for arch in ("sm_80", "sm_90"):
-        src = render_op(fused(G4, 7), arch)
-        assert f"constexpr bool SPEC_PROLOGUE = {'true' if knobs['prologue'] == 'spec' else 'false'};" in src
-        assert f"constexpr bool FLAT_GRID = {'true' if knobs['grid'] == 'flat' else 'false'};" in src
-        pdl = knobs["pdl"] == "1" and arch == "sm_90"  # griddepcontrol needs sm_90
-        assert ("cudaLaunchKernelEx" in src) == pdl and f"constexpr bool PDL = {'true' if pdl else 'false'};" in src
-
-
-def test_other_design_compiles(monkeypatch):
-    """CI has nvcc but no GPU: the non-production knob values (session 3's design) still build."""
-    from uacompile.targets.cuda.build import build
-
-    monkeypatch.setenv(attention.DESIGN_ENV, DESIGNS["session3"])
-    assert build([fused(G4, 7)], "sm_90").path.exists()
-
-
 def test_design_knobs_are_checked():
     assert attention.design_of("") == {k: v[0] for k, v in attention.DESIGN_KNOBS.items()}
-    assert attention.design_of("prologue=spec, pdl=1")["prologue"] == "spec"
+    assert attention.design_of("prefill=static, decode=mixed") == {"prefill": "static", "decode": "mixed"}
     with pytest.raises(ValueError, match="design"):
-        attention.design_of("prologue=fast")
+        attention.design_of("prologue=chain")  # a knob retired into the template
     with pytest.raises(ValueError, match="design"):
         attention.design_of("stages=3")
 
@@ -352,7 +237,7 @@ def test_fused_merge_renders_the_counter_arrival():
     from uacompile.targets.cuda.render import render_op
 
     src = render_op(PA(32, 8, 128, 16, "bf16", "bf16", num_splits=4, fused_merge=True))
-    assert "constexpr bool FUSED_MERGE = true;" in src and "atomicAdd(counter, splits)" in src
+    assert "constexpr bool FUSED_MERGE = true;" in src and "atom.acq_rel.gpu.global.add.s32" in src
     assert "constexpr bool FUSED_MERGE = false;" in render_op(PA(32, 8, 128, 16, "bf16", "bf16", num_splits=4))
 
 

@@ -1,8 +1,8 @@
 """Quantised-KV decode on the raw 8-bit K/V stage (production since v22, bench/NOTES-attention.md).
 
 Decode warps attend the raw 8-bit K/V stage directly (register conversion, scales applied to the
-scores and to P); -DUA_QUANT_FAST=0 builds the earlier dequantising pass. Each design is built in its
-own spawned process (attention.load_designs, "|flags") and checked against the float64 reference: int8 and fp8_e4m3 KV,
+scores and to P); head dims outside QFAST_D take the dequantising pass. The production build is checked
+against the float64 reference: int8 and fp8_e4m3 KV,
 fp16 and bf16 q, head_dim 64 and 128, kv lengths 1, page edges and long, 1 and several splits (fused
 merge), mixed ubatches with prefill chunks (whose tiles keep the dequantising path). Outputs are
 poisoned with NaN (run_fused).
@@ -20,7 +20,7 @@ from test_cuda_decode_gpu import MIXED, check_outputs, fused, run_fused  # noqa:
 
 gpu = pytest.mark.gpu
 PA = ir.PagedAttention
-DESIGNS = {"fast": "", "dequant": "|-DUA_QUANT_FAST=0"}  # production; the pass before v22
+DESIGNS = {"fast": ""}  # production (attention.design_kernels: its own library)
 
 OPS = {
     "int8-bf16-d128-g4": PA(32, 8, 128, 16, "bf16", "int8", return_lse=True),
