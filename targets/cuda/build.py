@@ -10,11 +10,13 @@ folder keeps kernels.cu and build.json beside lib.so. A failed build raises Buil
 with nvcc's message and the path of the kept source. arch: "sm_80", "sm_90", "sm_90a",
 or None = the current GPU (sm_90 without one). A template marked UA_REQUIRES_SM90A is
 built for sm_90a when arch is sm_90. Env: UACOMPILE_NVCC (default: nvcc on PATH, then
-$CUDA_HOME/bin/nvcc). build.json keeps nvcc's warnings and ptxas' performance notes; a kernel whose wgmma
+$CUDA_HOME/bin/nvcc). Templates include the kernel headers of include/uacompile (nvcc -I INCLUDE_DIR; their
+contents are part of the key). build.json keeps nvcc's warnings and ptxas' performance notes; a kernel whose wgmma
 ptxas serialised (C7511 / C7520: serialised_kernels) is logged as a warning.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -32,6 +34,7 @@ from uacompile.cache import cache_dir, cached_build, content_hash, toolchain_ver
 from .render import needs_sm90a, render_op
 
 log = logging.getLogger(__name__)
+INCLUDE_DIR = Path(__file__).parent / "include"  # the kernel headers (uacompile/*.cuh) the templates instantiate
 
 # -fno-gnu-unique: static locals of inline/template code (a launcher's "attribute set once" flag)
 # would otherwise be one object across every library of the process, so a second library of the
@@ -105,7 +108,14 @@ def arch_flags(arch: str, source: str) -> list[str]:
 
 
 def nvcc_flags(arch: str, source: str) -> list[str]:
-    return [*BASE_FLAGS, *arch_flags(arch, source)]
+    return [*BASE_FLAGS, *arch_flags(arch, source), f"-I{INCLUDE_DIR}"]
+
+
+@functools.cache
+def headers_digest() -> str:
+    """A content hash of the kernel headers (INCLUDE_DIR): part of every build's key, as the rendered source is
+    (the include path is not: it moves with the install)."""
+    return content_hash(sorted((str(p.relative_to(INCLUDE_DIR)), p.read_text()) for p in INCLUDE_DIR.rglob("*.cuh")))
 
 
 def serialised_kernels(warnings: list[str]) -> set[str]:
@@ -125,7 +135,8 @@ def build(ops: ir.OpSpec | Iterable[ir.OpSpec], arch: str | None = None) -> Buil
     source = "\n".join(render_op(op, arch) for op in ops)
     flags = nvcc_flags(arch, source)
     nvcc = nvcc_path()
-    key = content_hash([op.to_dict() for op in ops], source, toolchain_versions(nvcc), flags, BUILD_RECORD)
+    key = content_hash([op.to_dict() for op in ops], source, headers_digest(), toolchain_versions(nvcc),
+                       [f for f in flags if not f.startswith("-I")], BUILD_RECORD)
 
     def compile_into(folder: Path) -> None:
         started = time.perf_counter()

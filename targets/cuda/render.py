@@ -9,7 +9,9 @@ gets the common keys below, so a template needs no Python beyond its builder:
     and helpers in it, so several ops can share one translation unit), signature
     (ir.c_signature(op): `extern "C" {{ signature }} { ... return (int)cudaGetLastError(); }`),
     ctype (IR dtype -> C type inside namespace ua, e.g. ctype['bf16'] == 'bf16').
-Templates start with `{% include "cuda/common.cuh.j2" %}` (dtypes, vectors, quantisation).
+Templates include the kernel headers of targets/cuda/include/uacompile (`#include "uacompile/common.cuh"`:
+dtypes, vectors, quantisation; build.py passes the include path): a header holds a kernel's C++ as templates,
+and the Jinja file is its configuration, its __global__ instantiation in the op's namespace and the launcher.
 A template that needs Hopper-only instructions (wgmma) writes the marker line
 `// UA_REQUIRES_SM90A` and guards that code for other archs; build.py then compiles it for
 sm_90a. Builders get the target arch (`fn(op, arch)`); paged_attention's lives in attention.py as
