@@ -9,6 +9,34 @@ import pytest
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
+# reshape_and_cache: a kernel over each of three configurations (RoPE rotate-half with the classic quantisation and
+# cp.async stages; the lean quantisation with packed maxima, an L2 prefetch and interleaved RoPE; plain 16-bit)
+RC_CONFIGS = """
+__device__ const double RC_FREQ[64] = {};
+template <class In, class Cache, ua::rc::RopeMode MODE, bool Q, bool LEAN, int STAGES_, int PREFETCH>
+struct RcConfig {
+  typedef In in_t;
+  typedef Cache cache_t;
+  static constexpr int HKV = 8, D = 128, VEC = 8, GROUP = 16, THREADS = 256, WAVES = 0, STAGES = STAGES_;
+  static constexpr int64_t PREFETCH_TOKENS = PREFETCH;
+  static constexpr bool ONE_ROUND = false;
+  static constexpr ua::rc::RopeMode ROPE = MODE;
+  static constexpr bool QUANT = Q, FAST_QUANT = true, LEAN_QUANT = LEAN, PACKED_AMAX = LEAN;
+  static __device__ __forceinline__ const double* inv_freq() { return RC_FREQ; }
+};
+template <class C, int R, int S>
+__global__ void rc_kernel(const typename C::in_t* k, const typename C::in_t* v, const int64_t* slots,
+                          const int64_t* pos, typename C::cache_t* kc, typename C::cache_t* vc, float* ks, float* vs,
+                          int64_t n) {
+  ua::rc::ReshapeAndCache<C>::template kernel<R, S>(k, v, slots, pos, kc, vc, ks, vs, n);
+}
+template __global__ void rc_kernel<RcConfig<half, int8_t, ua::rc::RopeMode::RELOAD, true, false, 3, 0>, 2, 4>(
+    const half*, const half*, const int64_t*, const int64_t*, int8_t*, int8_t*, float*, float*, int64_t);
+template __global__ void rc_kernel<RcConfig<ua::bf16, uint8_t, ua::rc::RopeMode::INTERLEAVED, true, true, 0, 4>, 8, 1>(
+    const ua::bf16*, const ua::bf16*, const int64_t*, const int64_t*, uint8_t*, uint8_t*, float*, float*, int64_t);
+template __global__ void rc_kernel<RcConfig<half, half, ua::rc::RopeMode::NONE, false, false, 0, 0>, 1, 1>(
+    const half*, const half*, const int64_t*, const int64_t*, half*, half*, float*, float*, int64_t);
+"""
 # header -> an explicit instantiation of its templates (every member compiled), or "" for plain code
 HEADERS = {
     "common.cuh": "",
@@ -16,6 +44,7 @@ HEADERS = {
                      "template struct ua::PageCopy<256, 4, 1024, 16, 0, 1>;\n",
     "merge_state.cuh": "template struct ua::MergeState<half, 7, 16, 96, 4, 8, 256, true>;\n"
                        "template struct ua::MergeState<ua::bf16, 2, 32, 128, 4, 32, 256, false>;\n",
+    "reshape_and_cache.cuh": RC_CONFIGS,
 }
 
 
