@@ -45,6 +45,40 @@ HEADERS = {
     "merge_state.cuh": "template struct ua::MergeState<half, 7, 16, 96, 4, 8, 256, true>;\n"
                        "template struct ua::MergeState<ua::bf16, 2, 32, 128, 4, 32, 256, false>;\n",
     "reshape_and_cache.cuh": RC_CONFIGS,
+    "ptx.cuh": """
+__global__ void ptx_kernel(float* out, const uint4* in) {
+  __shared__ __align__(16) char tile[16 * 16 * 2];
+  ua::cp_async16(tile + threadIdx.x * 16, in + threadIdx.x, threadIdx.x < 32);
+  ua::cp_async_commit();
+  ua::cp_async_wait<0>();
+  __syncthreads();
+  uint32_t a[4], b[4];
+  ua::ldmatrix_x4(a, tile + (threadIdx.x % 16) * 32);
+  ua::ldmatrix_x4_trans(b, tile + (threadIdx.x % 16) * 32);
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  ua::mma16816<true>(c, a, b[0], b[1]);
+  ua::mma16816<false>(c, a, b[2], ua::pack2<false>(c[0], c[1]));
+  out[threadIdx.x] = c[0] + c[1] + c[2] + c[3] + (float)ua::pack2<true>(c[2], c[3]);
+}
+""",
+    "hopper.cuh": """
+__global__ void hopper_kernel(float* out) {
+#if __CUDA_ARCH__ >= 900
+  __shared__ __align__(8) uint64_t bar;
+  const uint32_t b = (uint32_t)__cvta_generic_to_shared(&bar);
+  if (threadIdx.x == 0) ua::mbar_init(b, 1);
+  ua::named_sync(1, 128);
+  if (threadIdx.x == 0) ua::mbar_arrive(b);
+  ua::mbar_wait(b, 0);
+  float acc[2][4] = {};
+  ua::wg_arrive();
+  ua::fence_acc(acc);
+  ua::wg_commit();
+  ua::wg_wait<0>();
+  out[threadIdx.x] = acc[0][0] + (float)ua::kmajor_desc<64>(ua::smem_desc(b, 16), 1);
+#endif
+}
+""",
 }
 
 
