@@ -35,6 +35,7 @@ def test_regular_install_imports_every_subpackage(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("uacompile/templates/cuda/") and n.endswith(".j2") for n in names), "CUDA templates missing"
     assert any(n.startswith("uacompile/templates/ascend/") and n.endswith(".j2") for n in names), "Ascend templates missing"
+    assert "uacompile/targets/cuda/include/uacompile/common.cuh" in names, "CUDA kernel headers missing"
     assert any(n.startswith("uacompile/runtime/") for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "uacompile = uacompile.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -1,6 +1,6 @@
 """The nvcc driver of both CUDA lowerings (targets/cuda from Jinja templates, lower/tvm_cuda from TVM).
 
-    fl = nvcc.flags("sm_90a")                                      # base + arch + UACOMPILE_NVCC_FLAGS
+    fl = nvcc.flags("sm_90a")                                      # base + arch
     key = content_hash(<what the source depends on>, nvcc.toolchain(), fl)   # -> cache.cached_build
     warnings = nvcc.compile_library(folder / "k.cu", folder / "k.so", fl, what="ua_copy_blocks_1a2b")
 
@@ -8,7 +8,7 @@ One run compiles one .cu into a shared library. A failed run raises NvccError wi
 the command, and a copy of the source kept in the cache folder (the build folder is thrown away).
 arch: "sm_80", "sm_90", "sm_90a" (...): an arch ending in "a" is compiled for exactly that GPU
 (-gencode=arch=compute_90a,code=sm_90a), others with -arch. Env: UACOMPILE_NVCC (default: nvcc on
-PATH, then $CUDA_HOME/bin/nvcc), UACOMPILE_NVCC_FLAGS (extra flags, appended and so part of the key).
+PATH, then $CUDA_HOME/bin/nvcc).
 """
 from __future__ import annotations
 
@@ -78,9 +78,8 @@ def arch_flags(arch: str) -> list[str]:
 
 
 def flags(arch: str, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
-    """The whole flag list of a build for arch: base, arch, the caller's extra, then UACOMPILE_NVCC_FLAGS."""
-    env = shlex.split(os.environ.get("UACOMPILE_NVCC_FLAGS", ""))
-    return [*BASE_FLAGS, *arch_flags(arch), *extra, *env]
+    """The whole flag list of a build for arch: base, arch, then the caller's extra."""
+    return [*BASE_FLAGS, *arch_flags(arch), *extra]
 
 
 def toolchain() -> dict:

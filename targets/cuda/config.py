@@ -24,12 +24,21 @@ class AttentionConfig:
     decode_only: every token is its own decode item; the kernel has no prefill path (decode steps).
     item_queue: Hopper prefill blocks are persistent and take work items from a counter (workspace item_queue);
         only on the wgmma path (plan.py turns it off elsewhere).
+    The rest default to None, the built-in rule (layout.py):
+    wg_tile: (K/V positions a wgmma tile, TMA stages) of the Hopper prefill path.
+    cp_row_lanes: producer lanes copying one K/V row where pages are copied by cp.async (a power of two <= 8).
+    cp_producer_below: pages under this many positions are copied by cp.async from the producer warps, not TMA.
+    q_prefetch_min: bytes of a token's Q rows from which the V producer prefetches them into L2.
     """
 
     num_splits: int = 1
     fused_merge: bool = False
     decode_only: bool = False
     item_queue: bool = False
+    wg_tile: tuple[int, int] | None = None
+    cp_row_lanes: int | None = None
+    cp_producer_below: int | None = None
+    q_prefetch_min: int | None = None
 
     def __post_init__(self):
         ir.check_splits(self.num_splits, self.fused_merge, "AttentionConfig")
@@ -38,6 +47,17 @@ class AttentionConfig:
                 raise IRError(f"AttentionConfig.{name}", f"must be a bool, got {getattr(self, name)!r}")
         if self.decode_only and self.item_queue:
             raise IRError("AttentionConfig.decode_only", "has no prefill blocks to take items: item_queue=False")
+        if self.wg_tile is not None:
+            if not (isinstance(self.wg_tile, tuple) and len(self.wg_tile) == 2 and self.wg_tile[0] in (64, 128, 192, 256)
+                    and self.wg_tile[1] in (1, 2, 3, 4, 5, 6)):
+                raise IRError("AttentionConfig.wg_tile", f"must be (64 | 128 | 192 | 256 positions, 1-6 stages), "
+                                                         f"got {self.wg_tile!r}")
+        if self.cp_row_lanes is not None and self.cp_row_lanes not in (1, 2, 4, 8):
+            raise IRError("AttentionConfig.cp_row_lanes", f"must be 1, 2, 4 or 8, got {self.cp_row_lanes!r}")
+        for name in ("cp_producer_below", "q_prefetch_min"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise IRError(f"AttentionConfig.{name}", f"must be an int >= 0, got {v!r}")
 
     def signature(self) -> dict:
         """The fields that change the kernel's parameters (ir.PagedAttention.params)."""

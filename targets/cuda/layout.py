@@ -33,6 +33,8 @@ SMEM_OF = {"sm_80": (164 * 1024, 163 * 1024), "sm_87": (164 * 1024, 163 * 1024),
 BLOCK_SMEM = 227 * 1024  # sm_90
 STATIC_SMEM = 1024  # the template's static __shared__ (merge flags, range_smem, mbarriers): ptxas says 256-512 bytes
 H200_SMS = 132
+CP_PRODUCER_BELOW = 8  # Hopper path: pages under this many positions are copied by the producer warps' cp.async, not TMA
+Q_PREFETCH_MIN = 1024  # Hopper path: bytes of a token's Q rows (G * D * 2) from which the V producer prefetches them
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,27 @@ def uses_wgmma(op: ir.PagedAttention, config: AttentionConfig, arch: str = "sm_9
             and op.head_dim in WG_HEAD_DIMS and not config.decode_only)
 
 
+def cp_row_lanes(head_dim: int, config: AttentionConfig | None = None) -> int:
+    """Hopper path, cp.async producer: lanes that copy one K/V row (the copies are issue-bound: each lane keeps >= 4
+    16-byte chunks of the padded row); the config's where it sets one."""
+    if config is not None and config.cp_row_lanes is not None:
+        return config.cp_row_lanes
+    return 2 if wgmma_width(head_dim) == 64 else 4
+
+
+def cp_producer_below(config: AttentionConfig | None = None) -> int:
+    return CP_PRODUCER_BELOW if config is None or config.cp_producer_below is None else config.cp_producer_below
+
+
+def q_prefetch_min(config: AttentionConfig | None = None) -> int:
+    return Q_PREFETCH_MIN if config is None or config.q_prefetch_min is None else config.q_prefetch_min
+
+
+def pdl(arch: str) -> bool:
+    """Whether the kernel launches with programmatic dependent launch (griddepcontrol, on the Hopper archs)."""
+    return arch in HOPPER_ARCHS
+
+
 def wgmma_width(head_dim: int) -> int:
     """Columns of a K, V or Q row in the wgmma path's shared memory: head_dim rounded up to whole 64-column
     (128-byte swizzle) halves. TMA fills the columns past head_dim with zeros, S = Q K^T reads only the
@@ -135,13 +158,14 @@ def layout(op: ir.PagedAttention, config: AttentionConfig, arch: str = "sm_90") 
     region as one more (DEC_QSTAGE) and prefill tiles share a stage two at a time, so both still stream 2 tiles
     deep; a mixed kernel's decode tokens stream 1 deep there."""
     for stage_cap in (3, 2, 1):
-        lay = _layout(op, config, arch, stage_cap)
+        lay = layout_at(op, config, arch, stage_cap)
         if lay.smem_bytes <= block_smem(arch):
             break
     return lay
 
 
-def _layout(op: ir.PagedAttention, config: AttentionConfig, arch: str, stage_cap: int) -> Layout:
+def layout_at(op: ir.PagedAttention, config: AttentionConfig, arch: str, stage_cap: int) -> Layout:
+    """The layout with at most stage_cap cp.async stages (layout() takes the most that fit the arch)."""
     D = op.head_dim
     wgmma = uses_wgmma(op, config, arch)
     warps = WG_WARPS if wgmma else WARPS
@@ -182,7 +206,7 @@ def _layout(op: ir.PagedAttention, config: AttentionConfig, arch: str, stage_cap
     # Q rows, + 1 KB to align them; one 12-warp block a SM, whose decode items run as two 4-warp
     # groups, each with the mma.sync path's smem
     DW = wgmma_width(D)
-    bn_wg, stages_wg = WG_TILE[DW]
+    bn_wg, stages_wg = config.wg_tile or WG_TILE[DW]
     smem_prefill = stages_wg * 2 * bn_wg * DW * 2 + 2 * 64 * DW * 2 + 1024  # K + V stages, Q of 2 x 64 rows, alignment
     groups = warps // WARPS
     return Layout(bn_prefill, mt_prefill, kv_rows, stages, max(groups * smem, smem_prefill), min_blocks=1, warps=warps,

@@ -9,7 +9,9 @@ gets the common keys below, so a template needs no Python beyond its builder:
     and helpers in it, so several ops can share one translation unit), signature
     (ir.c_signature(op): `extern "C" {{ signature }} { ... return (int)cudaGetLastError(); }`).
 C types come from ir.DTYPES[dtype].c (bf16 is a typedef of common.cuh).
-Templates start with `{% include "cuda/common.cuh.j2" %}` (dtypes, vectors, quantisation).
+Templates include the kernel headers of targets/cuda/include/uacompile (`#include "uacompile/common.cuh"`:
+dtypes, vectors, quantisation; build.py passes the include path): a header holds a kernel's C++ as templates,
+and the Jinja file is its configuration, its __global__ instantiation in the op's namespace and the launcher.
 A template that needs Hopper-only instructions (wgmma) writes the marker line
 `// UA_REQUIRES_SM90A` and guards that code for other archs; build.py then compiles it for
 sm_90a. Builders get the target arch (`fn(op, arch)`); paged_attention's takes the kernel (op and
@@ -25,7 +27,8 @@ import jinja2
 from uacompile import ir
 
 from .config import ReshapeConfig, config_of
-from .layout import HOPPER_ARCHS, TEMPLATE, check, dynamic_prefill, layout, uses_wgmma, wgmma_width
+from .layout import (TEMPLATE, check, cp_producer_below, cp_row_lanes, dynamic_prefill, layout, pdl, q_prefetch_min,
+                     wgmma_width)
 
 SM90A_MARKER = "// UA_REQUIRES_SM90A"
 
@@ -144,22 +147,10 @@ def _c_float(x: float) -> str:
     return f"{float(x):.9e}f"
 
 
-# Shapes of the same attention kernel the build may render (the template's TILE_SHAPE): build.py renders the
-# next one where ptxas serialises a kernel's wgmma (its warning C7511). Entry i: what shape i is.
-CODE_SHAPES = (
-    "swizzled K/V rows, V's ldmatrix addresses made once a tile",
-    "swizzled K/V rows, V's ldmatrix addresses made at each use",
-    "padded K/V rows (16 bytes a row; lines split across smem segments)",
-)
-
-
-def _paged_attention(kernel: ir.Kernel, arch: str = "sm_90", shape: int = 0) -> tuple[str, dict]:
+def _paged_attention(kernel: ir.Kernel, arch: str = "sm_90") -> tuple[str, dict]:
     op, cfg = kernel.op, config_of(kernel)
     check(op, cfg)
-    if not 0 <= shape < len(CODE_SHAPES):
-        raise ValueError(f"shape: expected 0..{len(CODE_SHAPES) - 1} (render.CODE_SHAPES), got {shape}")
     lay = layout(op, cfg, arch)
-    design = dict(prologue="spec", merge="lean", grid="flat", pdl=arch in HOPPER_ARCHS)  # griddepcontrol: sm_90+
     return TEMPLATE, dict(
         variant=op.variant, unified=op.variant == "unified_masked",
         Hq=op.num_q_heads, Hkv=op.num_kv_heads, D=op.head_dim, DW=wgmma_width(op.head_dim) if lay.wgmma else op.head_dim,
@@ -170,9 +161,10 @@ def _paged_attention(kernel: ir.Kernel, arch: str = "sm_90", shape: int = 0) -> 
         window=op.window, softcap=op.softcap, softcap_c=_c_float(op.softcap or 1.0), alibi=op.alibi,
         scale_c=_c_float(op.sm_scale), bn_prefill=lay.bn_prefill, mt_prefill=lay.mt_prefill, kv_rows=lay.kv_rows,
         stages=lay.stages, smem_bytes=lay.smem_bytes, min_blocks=lay.min_blocks, prefill_rows=lay.prefill_rows,
-        groups=lay.decode_groups, wgmma=lay.wgmma, decode_only=cfg.decode_only, design=design,
+        groups=lay.decode_groups, wgmma=lay.wgmma, decode_only=cfg.decode_only, pdl=pdl(arch),
         dynamic=dynamic_prefill(op, cfg, arch), bn_wg=lay.bn_wg, stages_wg=lay.stages_wg,
-        smem_prefill=lay.smem_prefill, code_shape=shape)
+        smem_prefill=lay.smem_prefill, cp_producer_below=cp_producer_below(cfg),
+        cp_row_lanes=cp_row_lanes(op.head_dim, cfg), q_prefetch_min=q_prefetch_min(cfg))
 
 
 def _round_up(n: int, m: int) -> int:
@@ -230,28 +222,15 @@ CONTEXT_BUILDERS = {
 }
 
 
-def code_shapes(op: ir.OpSpec | ir.Kernel, arch: str = "sm_90") -> int:
-    """How many shapes of the same code op's template renders for arch (render_op's shape; build.py tries
-    them for kernels whose wgmma ptxas serialised). 1 for templates without alternatives and for kernels
-    without wgmma (nothing to serialise)."""
-    kernel = ir.as_kernel(op)
-    if kernel.kind != "paged_attention" or not uses_wgmma(kernel.op, config_of(kernel), arch):
-        return 1
-    return len(CODE_SHAPES)
-
-
-def render_op(op: ir.OpSpec | ir.Kernel, arch: str = "sm_90", shape: int = 0) -> str:
-    """The complete CUDA source (header included) of a kernel (an op and its config; an op alone runs the
-    default config) for arch, with its extern "C" launcher; shape picks one of code_shapes() renderings of the
-    same computation."""
+def render_op(op: ir.OpSpec | ir.Kernel, arch: str = "sm_90") -> str:
+    """The complete CUDA source (headers included by path) of a kernel (an op and its config; an op alone runs the
+    default config) for arch, with its extern "C" launcher."""
     kernel = ir.as_kernel(op)
     op = kernel.op
     if op.kind not in CONTEXT_BUILDERS:
         raise ir.IRError("op", f"has no CUDA template: {op.kind!r} (have {sorted(CONTEXT_BUILDERS)})")
-    if not 0 <= shape < code_shapes(op, arch):
-        raise ValueError(f"shape: {op.kind} has {code_shapes(op, arch)} code shape(s) on {arch}, got {shape}")
     builder_arg = kernel if op.kind in ("paged_attention", "reshape_and_cache") else op
-    template, ctx = CONTEXT_BUILDERS[op.kind](builder_arg, arch, shape) if shape else CONTEXT_BUILDERS[op.kind](builder_arg, arch)
+    template, ctx = CONTEXT_BUILDERS[op.kind](builder_arg, arch)
     common = dict(op=op, symbol=kernel.symbol(), ns=f"{kernel.symbol()}_impl", signature=ir.c_signature(kernel))
     return environment().get_template(template).render(**common, **ctx)
 

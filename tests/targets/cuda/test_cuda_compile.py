@@ -3,7 +3,6 @@ representative set of variants; launchers match the IR ABI; builds are cached; t
 API rejects bad arguments with messages naming them (checked before any device work)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -11,6 +10,8 @@ import shutil
 import pytest
 
 from uacompile import ir
+from uacompile.targets.cuda import layout, plan
+from uacompile.targets.cuda.config import AttentionConfig, ReshapeConfig
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
@@ -30,8 +31,27 @@ CACHE_OP_VARIANTS = {
     "merge_state": [M(32, 128, 2), M(8, 64, 16, out_dtype="bf16", return_lse=True), M(4, 80, 3, out_dtype="fp32"),
                     M(16, 96, 7, return_lse=True), M(2, 256, 32)],
 }
-PA = ir.PagedAttention
-# the attention helper's representative set (targets/cuda/attention.py owns their templates)
+
+
+def PA(*args, num_splits: int = 1, fused_merge: bool = False, item_queue: bool = False, decode_only: bool = False,
+       **fields) -> ir.Kernel:
+    """An attention kernel: the op of these fields in the AttentionConfig of the others."""
+    return ir.Kernel(ir.PagedAttention(*args, **fields),
+                     AttentionConfig(num_splits=num_splits, fused_merge=fused_merge, item_queue=item_queue,
+                                     decode_only=decode_only))
+
+
+def lay(k: ir.Kernel, arch: str = "sm_90"):
+    return layout.layout(k.op, k.config, arch)
+
+
+def launched(k: ir.Kernel, splits: int, decode_only: bool = False, arch: str = "sm_90") -> ir.Kernel:
+    """The kernel plan() launches for k's op at `splits` (fused merge; the item queue on the Hopper path)."""
+    cfg = AttentionConfig(num_splits=splits, fused_merge=splits > 1, decode_only=decode_only)
+    return ir.Kernel(k.op, cfg.replace(item_queue=layout.uses_wgmma(k.op, cfg, arch)))
+
+
+# a representative set of attention kernels
 ATTENTION_VARIANTS = [
     PA(32, 8, 128, 16, "bf16", "bf16"), PA(32, 8, 128, 16, "fp16", "fp16", num_splits=4),
     PA(32, 8, 128, 16, "bf16", "bf16", num_splits=5, fused_merge=True, return_lse=True),
@@ -50,7 +70,6 @@ ATTENTION_VARIANTS = [
     PA(16, 2, 80, 16, "fp16", "int8", window=64, decode_only=True),
     PA(8, 4, 256, 16, "bf16", "fp8_e4m3", return_lse=True, decode_only=True),
 ]
-HAVE_ATTENTION = importlib.util.find_spec("uacompile.targets.cuda.attention") is not None
 
 
 def _variants(kind):
@@ -62,8 +81,6 @@ KINDS = [*CACHE_OP_VARIANTS, "paged_attention"]
 
 @pytest.fixture(params=KINDS)
 def kind(request):
-    if request.param == "paged_attention" and not HAVE_ATTENTION:
-        pytest.skip("targets/cuda/attention.py not written yet")
     return request.param
 
 
@@ -107,122 +124,26 @@ def _sweep_candidates() -> dict:
 
 
 @pytest.mark.parametrize("name", [n for n, d in _sweep_candidates().items() if d])
-def test_reshape_sweep_candidates_compile(name, monkeypatch):
-    """Every design candidate of bench/reshape_sweep.py over the reshape_and_cache variant axes
-    (sm_90: the arch the sweep runs on; the knobs are read at render from UACOMPILE_RC_VARIANT)."""
+def test_reshape_sweep_candidates_compile(name):
+    """Every design candidate of bench/reshape_sweep.py (a ReshapeConfig) over the reshape_and_cache variant axes
+    (sm_90: the arch the sweep runs on)."""
     from uacompile.targets.cuda.build import build
 
-    monkeypatch.setenv("UACOMPILE_RC_VARIANT", _sweep_candidates()[name])
-    assert build(CACHE_OP_VARIANTS["reshape_and_cache"], "sm_90").path.exists()
+    cfg = ReshapeConfig.parse(_sweep_candidates()[name])
+    assert build([ir.Kernel(op, cfg) for op in CACHE_OP_VARIANTS["reshape_and_cache"]], "sm_90").path.exists()
 
 
-@pytest.mark.parametrize("flags", ["-DUA_CP_L2_PREFETCH=0", "-DUA_CP_L2_PREFETCH=256"])
-def test_attention_load_hint_switches_compile(flags, monkeypatch):
-    """The K/V load hint experiment switches (UACOMPILE_NVCC_FLAGS; docs/attention-rationale.md, "K/V tile
-    layout") still build and change the cache key."""
-    from uacompile.targets.cuda.build import build
+def test_reshape_config_is_checked_and_changes_the_kernel():
+    from uacompile.targets.cuda.render import render_op
 
-    op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16")
-    plain = build(op, "sm_90").path
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", flags)
-    switched = build(op, "sm_90").path
-    assert switched.exists() and switched != plain
-
-
-@pytest.mark.parametrize("flags", ["-DUA_TILE_SWIZZLE=0"])
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # decode groups on both; sm_80 also the mma.sync prefill tiles
-def test_attention_tile_swizzle_switch_compiles(flags, splits, arch, monkeypatch):
-    """The 16-bit K/V tile layout switch (swizzled rows by default, -DUA_TILE_SWIZZLE=0 the padded ones:
-    docs/attention-rationale.md, "K/V tile layout") builds either way on both paths; =0 changes the cache key."""
-    from uacompile.targets.cuda.build import build
-
-    op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16", num_splits=splits, fused_merge=splits > 1)
-    plain = build(op, arch).path
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", flags)
-    switched = build(op, arch).path
-    assert switched.exists() and switched != plain
-
-
-@pytest.mark.parametrize("op", [
-    ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16", item_queue=True),  # the benchmarks' launch (dynamic queue)
-    ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16", num_splits=3, fused_merge=True),  # static, fused merge
-    ir.PagedAttention(8, 2, 64, 8, "fp16", "fp16", window=9, softcap=5.0, alibi=True, num_splits=2),  # MASK, not PLAIN
-])
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # the wgmma consumer loop; the mma.sync path's softmax_core
-def test_attention_lean_softmax_switch_compiles(op, arch, monkeypatch):
-    """-DUA_SOFTMAX_LEAN=0 (the loop before the lean softmax, docs/attention-rationale.md) builds on
-    both paths and changes the cache key."""
-    from uacompile.targets.cuda.build import build
-
-    plain = build(op, arch).path
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_SOFTMAX_LEAN=0")
-    switched = build(op, arch).path
-    assert switched.exists() and switched != plain
-
-
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # the wgmma item loop and producers; the mma.sync path's runs
-def test_prefill_item_switch_compiles(arch, monkeypatch):
-    """-DUA_PREFILL_ITEM=0 (the code before the lower per-item cost, docs/attention-rationale.md) builds
-    the dynamic and static Hopper schedules, the masked and scaled softmax at D 64, and the mma.sync
-    path, and changes the cache key."""
-    from uacompile.targets.cuda.build import build
-
-    ops = [
-        PA(32, 8, 128, 16, "bf16", "bf16", item_queue=True),  # the benchmarks' launch (dynamic queue)
-        PA(32, 8, 128, 16, "bf16", "bf16", num_splits=3, fused_merge=True, return_lse=True, item_queue=True),
-        PA(8, 2, 64, 8, "fp16", "fp16", window=9, softcap=5.0, alibi=True, num_splits=2),  # static, MASK, not PLAIN
-    ]
-    plain = build(ops, arch).path
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_ITEM=0")
-    switched = build(ops, arch).path
-    assert switched.exists() and switched != plain
-
-
-@pytest.mark.skipif(not HAVE_ATTENTION, reason="targets/cuda/attention.py not written yet")
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])  # the wgmma consumers' run boundary; the mma.sync path ignores it
-def test_prefill_overlap_switch_compiles(arch, monkeypatch):
-    """-DUA_PREFILL_OVERLAP=0 (the code before v25: a run's last O += P V in the run's own turn, its rows stored
-    before the next run's S(0); docs/attention-rationale.md) builds the dynamic and static Hopper schedules, the
-    masked and scaled softmax at D 64 with split-KV partials, the fused merge and the mma.sync path, and changes
-    the cache key; the benchmarks' launches keep their wgmmas unserialised with it (C7511 / C7514 / C7515)."""
-    from uacompile.targets.cuda import attention
-    from uacompile.targets.cuda.build import build
-
-    bench = [attention.launched_op(PA(32, 8, 128, 16, "bf16", "bf16"), s, arch=arch, design=attention.design_of(""))
-             for s in (1, 4)]  # one split (dynamic queue) and the fused merge
-    others = [PA(32, 8, 128, 16, "bf16", "bf16"),  # static
-              PA(8, 2, 64, 8, "fp16", "fp16", window=9, softcap=5.0, alibi=True, num_splits=2, item_queue=True)]
-    plain = build(others, arch).path
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_OVERLAP=0")
-    switched = build(others, arch).path
-    assert switched.exists() and switched != plain
-    res = build(bench, arch)
-    warnings = json.loads((res.path.parent / "build.json").read_text()).get("warnings", [])
-    assert not [w for w in warnings if "wgmma" in w], warnings
-
-
-QUANT_FAST_OPS = [  # every quantised decode shape the raw-stage path takes (D 64, 128, 256) and one it leaves (D 80)
-    PA(32, 8, 128, 16, "bf16", "int8", num_splits=4, fused_merge=True, return_lse=True),
-    PA(32, 8, 128, 16, "fp16", "fp8_e4m3"), PA(16, 2, 64, 32, "bf16", "fp8_e4m3", num_splits=3, fused_merge=True),
-    PA(8, 8, 64, 16, "fp16", "int8", window=64, softcap=10.0, alibi=True, return_lse=True),
-    PA(8, 2, 128, 16, "bf16", "fp8_e4m3", variant="unified_masked"), PA(8, 2, 256, 16, "bf16", "int8"),
-    PA(8, 8, 80, 256, "bf16", "fp8_e4m3", window=128),
-]
-
-
-@pytest.mark.skipif(not HAVE_ATTENTION, reason="targets/cuda/attention.py not written yet")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_quant_fast_switch_compiles(arch, monkeypatch):
-    """Quantised decode on the raw K/V stage (production, docs/attention-rationale.md, "Quantised KV") and the
-    dequantising pass (-DUA_QUANT_FAST=0) build for int8 and fp8 KV on both paths; the flag changes
-    the cache key."""
-    from uacompile.targets.cuda.build import build
-
-    fast = build(QUANT_FAST_OPS, arch).path
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_QUANT_FAST=0")
-    dequant = build(QUANT_FAST_OPS[:2], arch).path
-    assert fast.exists() and dequant.exists() and dequant != fast
+    op = R(8, 128, kv_dtype="int8")
+    assert render_op(ir.Kernel(op, ReshapeConfig())).replace(ir.Kernel(op, ReshapeConfig()).symbol(), "S") == \
+        render_op(op).replace(op.symbol(), "S")
+    assert "constexpr int ROWS" not in render_op(op) or render_op(ir.Kernel(op, ReshapeConfig(rows=1))) != render_op(op)
+    with pytest.raises(ir.IRError, match="ReshapeConfig.quant"):
+        ReshapeConfig(quant="fast")
+    with pytest.raises(ir.IRError, match="ReshapeConfig.no_such_knob"):
+        ReshapeConfig.parse("no_such_knob=1")
 
 
 def test_cache_key_follows_variant_and_arch():
@@ -320,51 +241,16 @@ def test_friendly_functions_check_layout_and_scales():
         api.copy_blocks(torch.zeros(1, 2, 4, 3, 2, 64, dtype=torch.float16), torch.zeros(1, 2, dtype=torch.int64))
 
 
-def test_designs_build_side_by_side_and_a_bad_one_is_reported():
-    """loader.load_designs (the sweeps' candidate builds): one library a design, built in spawned
-    workers that each see only their own knobs; a design that does not build comes back as its error."""
-    from uacompile.targets.cuda.loader import KernelLibrary, build_failure, load_designs
-    from uacompile.targets.cuda.render import RC_DESIGN_ENV
-
-    ops = [R(8, 128)]
-    built = load_designs(RC_DESIGN_ENV, {"production": "", "waves1": "waves=1", "bad": "no_such_knob=1",
-                                         "flagged": "|-DUA_UNUSED_SWITCH=1"}, ops, "sm_90")
-    assert isinstance(built["production"], KernelLibrary) and isinstance(built["waves1"], KernelLibrary)
-    assert built["production"].path != built["waves1"].path  # the knob reached its worker's render
-    assert built["flagged"].path not in (built["production"].path, built["waves1"].path)  # nvcc flags after "|"
-    assert isinstance(built["bad"], Exception) and "unknown knobs" in build_failure(built["bad"])
-    assert build_failure(built["bad"]).startswith("build: ")
-
-
-def test_design_kernels_give_each_design_its_own_kernels_and_raise_a_failed_build():
-    """attention.design_kernels (the GPU tests' and timing scripts' kernel_of per design): each design's
-    CudaKernel comes from its own library, once per op; a design that does not build raises its error."""
-    from uacompile.targets.cuda import attention
-
-    op = ir.PagedAttention(8, 2, 64, 16, "fp16", "fp16")
-    kernels = attention.design_kernels({"swizzled": "", "padded": "|-DUA_TILE_SWIZZLE=0"}, [op], "sm_80")
-    swizzled, padded = kernels["swizzled"](op), kernels["padded"](op)
-    assert swizzled.op == padded.op == op and swizzled.library.path != padded.library.path
-    assert kernels["swizzled"](op) is swizzled
-    with pytest.raises(Exception, match="no_such_knob"):
-        attention.design_kernels({"production": "", "bad": "no_such_knob=1"}, [op], "sm_80")
-
-
-def test_an_invalid_op_in_a_design_build_comes_back_as_its_ir_error():
-    """A build worker that raises IRError (a rule the op breaks) reports it: the error pickles with
-    its field and rule instead of breaking the process pool for every design."""
+def test_an_ir_error_pickles_with_its_field_and_rule():
+    """An IRError raised in a worker process (the tuner's, a sweep's) comes back with its field and rule."""
     import pickle
 
-    from uacompile.targets.cuda.loader import load_designs
-    from uacompile.targets.cuda.render import RC_DESIGN_ENV
-
-    err = pickle.loads(pickle.dumps(ir.IRError("paged_attention.num_splits", "must be >= 1")))
-    assert (err.field, err.rule, str(err)) == ("paged_attention.num_splits", "must be >= 1",
-                                               "paged_attention.num_splits: must be >= 1")
-    bad = ir.PagedAttention(8, 2, 128, 16, "bf16", "bf16", variant="unified_masked", num_splits=7, fused_merge=True)
-    built = load_designs(RC_DESIGN_ENV, {"a": "", "b": "waves=1"}, [bad], "sm_90")
-    for e in built.values():
-        assert isinstance(e, ir.IRError) and "unified_masked is built with num_splits=1" in str(e)
+    err = pickle.loads(pickle.dumps(ir.IRError("AttentionConfig.num_splits", "must be >= 1")))
+    assert (err.field, err.rule, str(err)) == ("AttentionConfig.num_splits", "must be >= 1",
+                                               "AttentionConfig.num_splits: must be >= 1")
+    with pytest.raises(ir.IRError, match="unified_masked is built with num_splits=1"):
+        layout.check(ir.PagedAttention(8, 2, 128, 16, "bf16", "bf16", variant="unified_masked"),
+                     AttentionConfig(num_splits=7, fused_merge=True))
 
 
 def test_build_record_keeps_ptxas_performance_notes():
@@ -380,49 +266,26 @@ def test_build_record_keeps_ptxas_performance_notes():
     assert kept[0] == c7511 and len(kept) == 2 and "wgmma" in kept[0]
 
 
-def test_benchmark_launches_keep_wgmma_unserialised(tmp_path, monkeypatch):
-    """ptxas serialises wgmma (warning C7511 / C7520) when the consumer's registers run short, which
-    costs the Hopper path its GEMM overlap without any error: the ops paged_attention() launches for
-    the benchmark shapes (one split; the fused split-KV merge) must build without it. nvcc's warnings
-    are kept in the build's build.json."""
-    from uacompile.targets.cuda import attention
+# Launched Hopper ops that ptxas once serialised (C7511) while the half-wide last tile's scores aliased the first
+# half of s: the benchmarks' config at 1, 8 and 24 splits and a GPU-test config (D 64, fp16) at one split; with
+# the benchmarks' 4-split op
+WGMMA_GUARDED = [(PA(32, 8, 128, 16, "bf16", "bf16"), 1), (PA(32, 8, 128, 16, "bf16", "bf16"), 4),
+                 (PA(32, 8, 128, 16, "bf16", "bf16"), 8), (PA(32, 8, 128, 16, "bf16", "bf16"), 24),
+                 (PA(16, 4, 64, 16, "fp16", "fp16"), 1)]
+
+
+def test_launched_hopper_ops_keep_wgmma_unserialised(tmp_path, monkeypatch):
+    """ptxas serialises wgmma (C7511 / C7520) when the consumer's registers run short or accumulators alias, which
+    costs the Hopper path its GEMM overlap without any error: the ops paged_attention() launches for these configs
+    (item queue, one split and the fused split-KV merge) must build without it. build.json keeps ptxas' notes and
+    the serialised symbols."""
     from uacompile.targets.cuda.build import build
 
     monkeypatch.setenv("UACOMPILE_CACHE_DIR", str(tmp_path))  # a fresh compile, whose warnings are recorded
-    op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16")
-    ops = [attention.launched_op(op, s, design=attention.design_of("")) for s in (1, 4)]
-    assert all(o.item_queue for o in ops)
-    res = build(ops, "sm_90")
-    warnings = json.loads((res.path.parent / "build.json").read_text())["warnings"]
-    assert not [w for w in warnings if "wgmma" in w], warnings
-
-
-# The census' worst cases (bench/wgmma_census.py): before the half tile's own scores, ptxas
-# serialised their wgmmas (C7511) in every code shape, so build() kept a serialised kernel (0.72x prefill): the
-# benchmarks' config at 8 and 24 splits, and a GPU-test config (D 64, fp16) at one split; and the benchmarks' 1-split op
-WGMMA_WORST = [(PA(32, 8, 128, 16, "bf16", "bf16"), 8), (PA(32, 8, 128, 16, "bf16", "bf16"), 24),
-               (PA(16, 4, 64, 16, "fp16", "fp16"), 1), (PA(32, 8, 128, 16, "bf16", "bf16"), 1)]
-
-
-def test_census_worst_cases_keep_wgmma_unserialised_in_code_shape_0(tmp_path, monkeypatch):
-    """The half-wide last tile's scores in registers of their own (docs/attention-rationale.md, "ptxas' wgmma
-    serialisation"): the launched ops that ptxas serialised in every code shape build unserialised in shape 0, which
-    build() keeps; with -DUA_PREFILL_HALF_OWN=0 (the scores in the first half of s) the benchmarks' 1-split op
-    serialises again in every shape, so this test sees what it guards. (Which other ops serialise without v37 moves with
-    small changes elsewhere: session 13's producer change unserialised the 8-split op, session 14's D 64 tile of 192
-    positions the D 64 one.)"""
-    from uacompile.targets.cuda import attention
-    from uacompile.targets.cuda.build import build
-
-    monkeypatch.setenv("UACOMPILE_CACHE_DIR", str(tmp_path))
-    ops = [attention.launched_op(op, s, design=attention.design_of("")) for op, s in WGMMA_WORST]
+    ops = [launched(op, s) for op, s in WGMMA_GUARDED]
+    assert all(o.config.item_queue for o in ops)
     rec = json.loads((build(ops, "sm_90").path.parent / "build.json").read_text())
-    assert not [w for w in rec["warnings"] if "wgmma" in w], rec["attempts"]
-    assert set(rec["code_shapes"].values()) == {0}, rec["attempts"]
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_HALF_OWN=0")
-    rec = json.loads((build(ops[3], "sm_90").path.parent / "build.json").read_text())
-    shape0 = [a for a in rec["attempts"] if a["shapes"] == {ops[3].symbol(): 0}]
-    assert shape0 and shape0[0]["serialised"] == [ops[3].symbol()], rec["attempts"]
+    assert not [w for w in rec["warnings"] if "wgmma" in w] and rec["serialised"] == [], rec["warnings"]
 
 
 def test_serialised_kernels_names_the_ops():
@@ -436,56 +299,6 @@ def test_serialised_kernels_names_the_ops():
     assert serialised_kernels([note, "kernels.cu(3): warning #177-D: variable \"X\" was declared"]) == {
         "ua_paged_attention_2c7522e2833b"}
     assert serialised_kernels(["ptxas info    : Used 168 registers"]) == set()
-
-
-def test_code_shapes_render_one_computation_several_ways():
-    """attention.CODE_SHAPES: shape 0 and 1 swizzle the K/V rows (dynamic smem 128-byte aligned), the last
-    is the padded rows; only kernels with wgmma have more than one (nothing else to serialise); a shape
-    outside the list is refused."""
-    from uacompile.targets.cuda import attention
-    from uacompile.targets.cuda.render import code_shapes, render_op
-
-    op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16", num_splits=4, fused_merge=True)
-    assert code_shapes(op, "sm_90") == len(attention.CODE_SHAPES) == 3
-    assert code_shapes(op, "sm_80") == 1
-    assert code_shapes(ir.PagedAttention(32, 8, 128, 16, "bf16", "int8"), "sm_90") == 1
-    assert code_shapes(ir.ReshapeAndCache(num_kv_heads=8, head_dim=128)) == 1
-    srcs = [render_op(op, "sm_90", s) for s in range(3)]
-    for s, src in enumerate(srcs):
-        assert f"constexpr int TILE_SHAPE = {s};" in src
-    assert len(set(srcs)) == 3
-    with pytest.raises(ValueError, match="code shape"):
-        render_op(op, "sm_90", 3)
-    with pytest.raises(ValueError, match="code shape"):
-        render_op(op, "sm_80", 1)
-
-
-def test_build_keeps_each_kernel_in_its_first_unserialised_code_shape(tmp_path, monkeypatch):
-    """build() builds the unit in code shape 0 and rebuilds each op that ptxas serialised (wgmma) in its next
-    shape, until every op has a clean one. Since v37 shape 0 is clean, so the test builds v37's aliased
-    scores (-DUA_PREFILL_HALF_OWN=0), in which shapes 0 and 1 serialise the 32-split op that paged_attention()
-    launches and shape 2 does not: each op comes out unserialised; build.json keeps every attempt. (Session 13's
-    producer change moved these: shape 0 had serialised the 2- and 16-split ops and shape 1 the others; the
-    1-split op now serialises in every shape without v37, so it is left out.)"""
-    from uacompile.targets.cuda import attention
-    from uacompile.targets.cuda.build import build
-
-    monkeypatch.setenv("UACOMPILE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-DUA_PREFILL_HALF_OWN=0")
-    op = ir.PagedAttention(32, 8, 128, 16, "bf16", "bf16")
-    ops = [attention.launched_op(op, s, design=attention.design_of("")) for s in (2, 16, 32)]
-    res = build(ops, "sm_90")
-    rec = json.loads((res.path.parent / "build.json").read_text())
-    assert not [w for w in rec["warnings"] if "wgmma" in w], rec["attempts"]
-    attempts = rec["attempts"]
-    assert attempts[0]["shapes"] == {o.symbol(): 0 for o in ops} and attempts[0]["serialised"], attempts
-    assert len(attempts) >= 2 and any(s for s in rec["code_shapes"].values()), attempts
-    for sym, shape in rec["code_shapes"].items():  # the first shape no attempt saw serialised
-        bad = {a["shapes"][sym] for a in attempts if sym in a["serialised"]}
-        assert shape == min({a["shapes"][sym] for a in attempts} - bad)
-    assert {"shapes": rec["code_shapes"], "serialised": []} in attempts
-    assert sorted(p.name for p in res.path.parent.iterdir() if not p.name.startswith(".")) == [
-        "build.json", "kernels.cu", "lib.so"]
 
 
 DECODE_BENCH_OPS = [  # the decode-only ops the benchmarks' decode rows launch (bf16 1 / 4 / 32 splits; int8, fp8)
@@ -503,65 +316,59 @@ DECODE_BENCH_OPS = [  # the decode-only ops the benchmarks' decode rows launch (
 def test_decode_only_kernels_fit_their_register_budget_without_spills(tmp_path, monkeypatch):
     """A decode-only kernel's layout asks ptxas for 2 (16-bit KV; up to 4 where shared memory holds them) or 3
     (quantised) blocks an SM; a spill to local memory would cost more than the extra block gains. ptxas'
-    -warn-spills lines land in build.json."""
-    from uacompile.targets.cuda import attention
+    -warn-spills lines (build.py's BASE_FLAGS) land in build.json."""
     from uacompile.targets.cuda.build import build
 
     monkeypatch.setenv("UACOMPILE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("UACOMPILE_NVCC_FLAGS", "-Xptxas -warn-spills")
-    assert [attention.layout(op).blocks_per_sm for op in DECODE_BENCH_OPS] == [2, 2, 2, 3, 3, 4, 3]
+    assert [lay(op).blocks_per_sm for op in DECODE_BENCH_OPS] == [2, 2, 2, 3, 3, 4, 3]
     res = build(DECODE_BENCH_OPS, "sm_90")
     warnings = json.loads((res.path.parent / "build.json").read_text())["warnings"]
     assert not [w for w in warnings if "spill" in w.lower()], warnings
 
 
 def test_decode_steps_launch_the_decode_only_op():
-    """paged_attention()'s choice by shapes: at most one token a sequence takes decode_only (no item queue, no
-    wgmma), more tokens the mixed kernel; design decode=mixed keeps the mixed kernel for every launch."""
-    from uacompile.targets.cuda import attention
-
-    op = PA(32, 8, 128, 16, "bf16", "bf16")
-    production, mixed = attention.design_of(""), attention.design_of("decode=mixed")
-    assert attention.decode_launch(8, 8, production) and attention.decode_launch(3, 8, production)
-    assert not attention.decode_launch(9, 8, production) and not attention.decode_launch(8, 8, mixed)
-    run = attention.launched_op(op, 4, design=production, decode_only=True)
-    assert run.decode_only and run.fused_merge and not run.item_queue and not attention.uses_wgmma(run)
-    assert attention.launched_op(op, 4, design=production).item_queue  # the mixed kernel's dynamic prefill
+    """plan()'s choice by shapes: at most one token a sequence takes decode_only (no item queue, no wgmma), more
+    tokens the mixed kernel with the Hopper item queue."""
+    op = PA(32, 8, 128, 16, "bf16", "bf16").op
+    for T, S in ((8, 8), (3, 8)):
+        cfg = plan.choose_config(op, T, S, 16384)
+        assert cfg.decode_only and cfg.fused_merge and not cfg.item_queue and not layout.uses_wgmma(op, cfg)
+    assert not plan.choose_config(op, 9, 8, 16384).decode_only
+    assert plan.choose_config(op, 4 * 4096, 4, 4096).item_queue  # the mixed kernel's dynamic prefill
     with pytest.raises(ir.IRError, match="decode_only"):
-        op.replace(decode_only=True, item_queue=True)
+        AttentionConfig(decode_only=True, item_queue=True)
     # the decode-only layout: 16-bit KV keeps 2 blocks of one group an SM (the mixed kernel: 1 block of 2
     # groups); quantised KV drops the converted tiles for a third block
-    only, quant = op.replace(decode_only=True), PA(32, 8, 128, 16, "bf16", "int8", decode_only=True)
-    assert (attention.layout(only).blocks_per_sm, attention.layout(only).decode_groups) == (2, 1)
-    assert attention.layout(quant).blocks_per_sm == 3
-    assert attention.layout(PA(32, 8, 128, 16, "bf16", "int8")).blocks_per_sm == 2
+    only, quant = PA(32, 8, 128, 16, "bf16", "bf16", decode_only=True), PA(32, 8, 128, 16, "bf16", "int8", decode_only=True)
+    assert (lay(only).blocks_per_sm, lay(only).decode_groups) == (2, 1)
+    assert lay(quant).blocks_per_sm == 3
+    assert lay(PA(32, 8, 128, 16, "bf16", "int8")).blocks_per_sm == 2
     # the split rule fills the layout's slots: 8 x 8 items take 6 splits of 396 slots (4 of the mixed kernel's 264)
-    assert attention.choose_splits(quant, 8, 8, 16384) == 6
-    assert attention.choose_splits(quant.replace(decode_only=False), 8, 8, 16384) == 4
+    assert plan.choose_splits(quant.op, quant.config, 8, 8, 16384) == 6
+    assert plan.choose_splits(quant.op, AttentionConfig(), 8, 8, 16384) == 4
 
 
-def _launched_ptx(op, tmp_path, *extra) -> str:
-    """The sm_90a PTX nvcc emits for the one-split op paged_attention() launches for op (extra: nvcc flags)."""
+def _launched_ptx(op, tmp_path) -> str:
+    """The sm_90a PTX nvcc emits for the one-split op paged_attention() launches for op."""
     import subprocess
 
-    from uacompile.targets.cuda import attention
     from uacompile.nvcc import nvcc_path
     from uacompile.targets.cuda.build import nvcc_flags
     from uacompile.targets.cuda.render import render_op
 
-    src = render_op(attention.launched_op(op, 1), "sm_90")
+    src = render_op(launched(op, 1), "sm_90")
     cu = tmp_path / "k.cu"
     cu.write_text(src)
     flags = [f for f in nvcc_flags("sm_90", src) if f != "-shared" and not f.startswith("-gencode")]
-    subprocess.run([nvcc_path(), *flags, *extra, "-arch=sm_90a", "-ptx", "-o", str(tmp_path / "k.ptx"), str(cu)],
+    subprocess.run([nvcc_path(), *flags, "-arch=sm_90a", "-ptx", "-o", str(tmp_path / "k.ptx"), str(cu)],
                    check=True, capture_output=True)
     return (tmp_path / "k.ptx").read_text()
 
 
 def test_q_l2_prefetch_only_for_rows_of_a_kilobyte(tmp_path):
     """The Hopper V producer prefetches an item's Q rows into L2 (cp.async.bulk.prefetch.L2, one a token) only where
-    a token's G heads take >= UA_Q_PREFETCH_MIN (1024) bytes: MHA's 128 prefetches of 256 B an item delayed the V
-    tiles behind them (docs/attention-rationale.md, "Head dims"). Checked in the PTX nvcc emits."""
+    a token's G heads take >= layout.Q_PREFETCH_MIN (1024) bytes: MHA's 128 prefetches of 256 B an item delayed
+    the V tiles behind them. Checked in the PTX nvcc emits."""
     def prefetches(op) -> int:
         return _launched_ptx(op, tmp_path).count("cp.async.bulk.prefetch.L2")
 
@@ -571,40 +378,38 @@ def test_q_l2_prefetch_only_for_rows_of_a_kilobyte(tmp_path):
 
 def test_small_pages_take_the_cp_async_producer_unserialised(tmp_path, monkeypatch):
     """Pages under 8 positions run the Hopper path with a cp.async producer (TMA boxes of 1-4 rows are correct but
-    cost ~20-30 cycles each: docs/attention-rationale.md, "Small pages"). In the PTX: each producer lane arrives on the
-    stage's full barrier after its copies, the consumers fence the generic-proxy writes before wgmma reads them,
-    and no K/V tensor copy is left; page 16 keeps TMA, and -DUA_CP_PRODUCER_BELOW=1 gives page 1 TMA boxes back.
+    cost ~20-30 cycles each). In the PTX: each producer lane arrives on the stage's full barrier after its copies,
+    the consumers fence the generic-proxy writes before wgmma reads them, and no K/V tensor copy is left; page 16
+    keeps TMA.
     The launched page-1 ops (one split, fused split-KV) build without serialised wgmma."""
-    from uacompile.targets.cuda import attention
     from uacompile.targets.cuda.build import build
 
-    def ptx(op, *extra) -> str:
-        return _launched_ptx(op, tmp_path, *extra)
+    def ptx(op) -> str:
+        return _launched_ptx(op, tmp_path)
 
     page1 = PA(32, 8, 128, 1, "bf16", "bf16")
-    assert attention.uses_wgmma(page1)
+    assert layout.uses_wgmma(page1.op, page1.config)
     text = ptx(page1)
     assert "cp.async.mbarrier.arrive.noinc" in text and "fence.proxy.async.shared::cta" in text
     assert "cp.async.bulk.tensor" not in text
-    for text in (ptx(page1.replace(page_size=16)), ptx(page1, "-DUA_CP_PRODUCER_BELOW=1")):
-        assert "cp.async.bulk.tensor" in text and "cp.async.mbarrier.arrive.noinc" not in text
+    text = ptx(page1.replace(page_size=16))
+    assert "cp.async.bulk.tensor" in text and "cp.async.mbarrier.arrive.noinc" not in text
 
     monkeypatch.setenv("UACOMPILE_CACHE_DIR", str(tmp_path / "cache"))
-    ops = [attention.launched_op(page1, s, design=attention.design_of("")) for s in (1, 4)]
+    ops = [launched(page1, s) for s in (1, 4)]
     res = build(ops, "sm_90")
     warnings = json.loads((res.path.parent / "build.json").read_text())["warnings"]
     assert not [w for w in warnings if "wgmma" in w], warnings
 
 
 def test_blocks_an_sm_follow_the_arch_shared_memory():
-    """The split rule counts the blocks an SM holds from the arch's shared memory (attention.smem_per_sm): a 16-bit
+    """The split rule counts the blocks an SM holds from the arch's shared memory (layout.smem_per_sm): a 16-bit
     decode-only kernel asks for as many blocks as fit, up to 4. D 64 (54 KB): 4 on sm_90's 228 KB, 2 on an A100's
     164 KB; D 128 (102 KB): 2 and 1."""
-    from uacompile.targets.cuda import attention
 
     d64, d128 = (PA(32, 8, d, 16, "bf16", "bf16", decode_only=True) for d in (64, 128))
-    assert attention.smem_per_sm("sm_90") == 228 * 1024 and attention.smem_per_sm("sm_80") == 164 * 1024
-    assert [(attention.layout(op, a).min_blocks, attention.layout(op, a).blocks_per_sm)
+    assert layout.smem_per_sm("sm_90") == 228 * 1024 and layout.smem_per_sm("sm_80") == 164 * 1024
+    assert [(lay(op, a).min_blocks, lay(op, a).blocks_per_sm)
             for op in (d64, d128) for a in ("sm_90", "sm_80")] == [(4, 4), (2, 2), (2, 2), (2, 1)]
 
 
@@ -613,13 +418,12 @@ def test_a_variant_beyond_the_arch_block_smem_is_refused_clearly():
     arch gives one block even at one cp.async stage (CUDA would fail the launch with a bare error): D 256 on GA10x /
     Ada (99 KB a block) takes 99 KB of tiles and Q plus the static variables. Hopper and the A100 hold it."""
     from uacompile.errors import IRError
-    from uacompile.targets.cuda import attention
 
     d256, d128 = (PA(16, 8, d, 16, "bf16", "bf16") for d in (256, 128))
     with pytest.raises(IRError, match="99 KB of shared memory; an sm_86 block at most 98 KB"):
-        attention.check_fits(d256, "sm_86")
+        layout.check_fits(d256.op, d256.config, "sm_86")
     for op, arch in ((d256, "sm_90"), (d256, "sm_80"), (d128, "sm_80"), (d128, "sm_86")):
-        attention.check_fits(op, arch)
+        layout.check_fits(op.op, op.config, arch)
 
 
 SMALL_SMEM_OPS = {  # arch: ops whose two-stage layout exceeds its block (tests/targets/cuda/test_cuda_small_smem_gpu.py runs them)
@@ -631,22 +435,21 @@ SMALL_SMEM_OPS = {  # arch: ops whose two-stage layout exceeds its block (tests/
 
 @pytest.mark.parametrize("arch", list(SMALL_SMEM_OPS))
 def test_smaller_gpus_take_fewer_stages_and_fit(arch, tmp_path):
-    """attention.layout drops cp.async stages until a block fits the arch (A100: D 256, 165 KB at two stages;
+    """layout.layout drops cp.async stages until a block fits the arch (A100: D 256, 165 KB at two stages;
     GA10x / Ada: D 128, 102 KB), where Hopper's layouts keep theirs; ptxas' static shared memory of the built
     kernels stays within the STATIC_SMEM the layout leaves for it."""
     import re
     import subprocess
 
-    from uacompile.targets.cuda import attention
     from uacompile.nvcc import nvcc_path
     from uacompile.targets.cuda.build import nvcc_flags
     from uacompile.targets.cuda.render import render_op
 
     ops = SMALL_SMEM_OPS[arch]
     for op in ops:
-        lay, two = attention.layout(op, arch), attention._layout(op, arch, 2)
-        assert lay.stages < two.stages and two.smem_bytes > attention.block_smem(arch) >= lay.smem_bytes, (op, lay)
-    assert [attention.layout(op, "sm_90").stages for op in ops] == ([1, 2, 2] if arch == "sm_80" else [2, 2])
+        got, two = lay(op, arch), layout.layout_at(op.op, op.config, arch, 2)
+        assert got.stages < two.stages and two.smem_bytes > layout.block_smem(arch) >= got.smem_bytes, (op, got)
+    assert [lay(op, "sm_90").stages for op in ops] == ([1, 2, 2] if arch == "sm_80" else [2, 2])
     cu = tmp_path / "k.cu"
     src = "\n".join(render_op(op, arch) for op in ops)
     cu.write_text(src)
@@ -655,4 +458,4 @@ def test_smaller_gpus_take_fewer_stages_and_fit(arch, tmp_path):
                          check=True, capture_output=True, text=True)
     used = [line for line in (res.stdout + res.stderr).splitlines() if re.search(r"Used \d+ registers", line)]
     static = [int(m[1]) if (m := re.search(r"(\d+) bytes smem", line)) else 0 for line in used]
-    assert len(static) == len(ops) and max(static) <= attention.STATIC_SMEM, used
+    assert len(static) == len(ops) and max(static) <= layout.STATIC_SMEM, used

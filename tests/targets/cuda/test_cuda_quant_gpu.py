@@ -1,16 +1,13 @@
 """Quantised-KV decode on the raw 8-bit K/V stage (docs/attention-rationale.md, "Quantised KV").
 
 Decode warps attend the raw 8-bit K/V stage directly (register conversion, scales applied to the
-scores and to P); -DUA_QUANT_FAST=0 builds the earlier dequantising pass (the template's switch, through
-UACOMPILE_NVCC_FLAGS, one library of its own). Both are checked against the float64 reference: int8 and fp8_e4m3 KV,
+scores and to P); head dims outside QFAST_D take the dequantising pass. The production build is checked
+against the float64 reference: int8 and fp8_e4m3 KV,
 fp16 and bf16 q, head_dim 64 and 128, kv lengths 1, page edges and long, 1 and several splits (fused
 merge), mixed ubatches with prefill chunks (whose tiles keep the dequantising path). Outputs are
 poisoned with NaN (run_fused).
 """
 from __future__ import annotations
-
-import functools
-import os
 
 import numpy as np
 import pytest
@@ -23,7 +20,6 @@ from test_cuda_decode_gpu import MIXED, check_outputs, fused, run_fused  # noqa:
 
 gpu = pytest.mark.gpu
 PA = ir.PagedAttention
-DEQUANT_FLAGS = "-DUA_QUANT_FAST=0"  # the dequantising pass before the raw-stage decode (v22)
 
 OPS = {
     "int8-bf16-d128-g4": PA(32, 8, 128, 16, "bf16", "int8", return_lse=True),
@@ -57,25 +53,6 @@ def quant_fast():
     return cuda_api_with(_ops()).kernel
 
 
-@pytest.fixture(scope="module")
-def quant_dequant(quant_fast):
-    """kernel_of(kernel): the module's kernels built with DEQUANT_FLAGS, one library (the flags are part of its
-    build key), apart from the process' kernel table."""
-    from uacompile.targets.cuda import api
-    from uacompile.targets.cuda.loader import load
-
-    old = os.environ.get("UACOMPILE_NVCC_FLAGS")
-    os.environ["UACOMPILE_NVCC_FLAGS"] = DEQUANT_FLAGS
-    try:
-        lib = load(_ops())
-    finally:
-        if old is None:
-            os.environ.pop("UACOMPILE_NVCC_FLAGS")
-        else:
-            os.environ["UACOMPILE_NVCC_FLAGS"] = old
-    return functools.cache(lambda kernel: api.CudaKernel(kernel, library=lib))
-
-
 def check(kernel_of, name, op, splits, inputs):
     outs = run_fused(None, op, splits, inputs, kernel_of=kernel_of)
     check_outputs(f"{name}/s{splits}", op, inputs, outs["out"], outs.get("lse"))
@@ -86,11 +63,9 @@ def check(kernel_of, name, op, splits, inputs):
 @gpu
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("name", list(OPS))
-@pytest.mark.parametrize("design", ["fast", "dequant"])
-def test_quant_decode_matches_reference(request, rng, design, name, splits):
-    kernel_of = request.getfixturevalue(f"quant_{design}")
+def test_quant_decode_matches_reference(quant_fast, rng, name, splits):
     op = OPS[name]
-    check(kernel_of, f"{design}/{name}", op, splits, testing.attention_inputs(op, rng, DECODE_LENS))
+    check(quant_fast, name, op, splits, testing.attention_inputs(op, rng, DECODE_LENS))
 
 
 @gpu

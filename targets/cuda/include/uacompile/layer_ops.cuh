@@ -1,7 +1,9 @@
 // uacompile CUDA layer-op header: block reductions, SiLU and RoPE's pair rotation, shared by the
-// rms_norm, silu_and_mul and rope templates (after common.cuh.j2). Guarded like common.cuh.j2.
+// rms_norm, silu_and_mul and rope templates (after uacompile/common.cuh). Include-guarded.
 #ifndef UA_LAYER_OPS_CUH
 #define UA_LAYER_OPS_CUH
+
+#include "uacompile/common.cuh"
 
 namespace ua {
 

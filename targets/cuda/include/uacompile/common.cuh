@@ -1,5 +1,5 @@
 // uacompile CUDA common header: dtypes, vectors, fp8/int8 quantisation, group reductions.
-// Included by every template; the guard lets several ops share one translation unit.
+// Included by every kernel header and template; the guard lets several ops share one translation unit.
 #ifndef UA_COMMON_CUH
 #define UA_COMMON_CUH
 #include <cuda_runtime.h>

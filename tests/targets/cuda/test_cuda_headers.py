@@ -1,0 +1,119 @@
+"""CPU: each kernel header of targets/cuda/include/uacompile compiles on its own (nvcc -c of a .cu that includes it
+and instantiates its templates), for sm_80 and sm_90a; the package ships them."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+# reshape_and_cache: a kernel over each of three configurations (RoPE rotate-half with the classic quantisation and
+# cp.async stages; the lean quantisation with packed maxima, an L2 prefetch and interleaved RoPE; plain 16-bit)
+RC_CONFIGS = """
+__device__ const double RC_FREQ[64] = {};
+template <class In, class Cache, ua::rc::RopeMode MODE, bool Q, bool LEAN, int STAGES_, int PREFETCH>
+struct RcConfig {
+  typedef In in_t;
+  typedef Cache cache_t;
+  static constexpr int HKV = 8, D = 128, VEC = 8, GROUP = 16, THREADS = 256, WAVES = 0, STAGES = STAGES_;
+  static constexpr int64_t PREFETCH_TOKENS = PREFETCH;
+  static constexpr bool ONE_ROUND = false;
+  static constexpr ua::rc::RopeMode ROPE = MODE;
+  static constexpr bool QUANT = Q, FAST_QUANT = true, LEAN_QUANT = LEAN, PACKED_AMAX = LEAN;
+  static __device__ __forceinline__ const double* inv_freq() { return RC_FREQ; }
+};
+template <class C, int R, int S>
+__global__ void rc_kernel(const typename C::in_t* k, const typename C::in_t* v, const int64_t* slots,
+                          const int64_t* pos, typename C::cache_t* kc, typename C::cache_t* vc, float* ks, float* vs,
+                          int64_t n) {
+  ua::rc::ReshapeAndCache<C>::template kernel<R, S>(k, v, slots, pos, kc, vc, ks, vs, n);
+}
+template __global__ void rc_kernel<RcConfig<half, int8_t, ua::rc::RopeMode::RELOAD, true, false, 3, 0>, 2, 4>(
+    const half*, const half*, const int64_t*, const int64_t*, int8_t*, int8_t*, float*, float*, int64_t);
+template __global__ void rc_kernel<RcConfig<ua::bf16, uint8_t, ua::rc::RopeMode::INTERLEAVED, true, true, 0, 4>, 8, 1>(
+    const ua::bf16*, const ua::bf16*, const int64_t*, const int64_t*, uint8_t*, uint8_t*, float*, float*, int64_t);
+template __global__ void rc_kernel<RcConfig<half, half, ua::rc::RopeMode::NONE, false, false, 0, 0>, 1, 1>(
+    const half*, const half*, const int64_t*, const int64_t*, half*, half*, float*, float*, int64_t);
+"""
+# header -> an explicit instantiation of its templates (every member compiled), or "" for plain code
+HEADERS = {
+    "common.cuh": "",
+    "page_copy.cuh": "template struct ua::PageCopy<256, 4, 32768, 16, 512, 16>;\n"
+                     "template struct ua::PageCopy<256, 4, 1024, 16, 0, 1>;\n",
+    "merge_state.cuh": "template struct ua::MergeState<half, 7, 16, 96, 4, 8, 256, true>;\n"
+                       "template struct ua::MergeState<ua::bf16, 2, 32, 128, 4, 32, 256, false>;\n",
+    "reshape_and_cache.cuh": RC_CONFIGS,
+    "layer_ops.cuh": """
+__global__ void layer_ops_kernel(float* out, const half* in) {
+  __shared__ float sums[32];
+  half a, b;
+  ua::rope_pair<half>(in[0], in[1], 0.5, 0.25, a, b);
+  out[threadIdx.x] = ua::block_sum<128>(ua::silu(__half2float(a) + __half2float(b)), sums);
+}
+""",
+    "ptx.cuh": """
+__global__ void ptx_kernel(float* out, const uint4* in) {
+  __shared__ __align__(16) char tile[16 * 16 * 2];
+  ua::cp_async16(tile + threadIdx.x * 16, in + threadIdx.x, threadIdx.x < 32);
+  ua::cp_async_commit();
+  ua::cp_async_wait<0>();
+  __syncthreads();
+  uint32_t a[4], b[4];
+  ua::ldmatrix_x4(a, tile + (threadIdx.x % 16) * 32);
+  ua::ldmatrix_x4_trans(b, tile + (threadIdx.x % 16) * 32);
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  ua::mma16816<true>(c, a, b[0], b[1]);
+  ua::mma16816<false>(c, a, b[2], ua::pack2<false>(c[0], c[1]));
+  out[threadIdx.x] = c[0] + c[1] + c[2] + c[3] + (float)ua::pack2<true>(c[2], c[3]);
+}
+""",
+    "hopper.cuh": """
+__global__ void hopper_kernel(float* out) {
+#if __CUDA_ARCH__ >= 900
+  __shared__ __align__(8) uint64_t bar;
+  const uint32_t b = (uint32_t)__cvta_generic_to_shared(&bar);
+  if (threadIdx.x == 0) ua::mbar_init(b, 1);
+  ua::named_sync(1, 128);
+  if (threadIdx.x == 0) ua::mbar_arrive(b);
+  ua::mbar_wait(b, 0);
+  float acc[2][4] = {};
+  ua::wg_arrive();
+  ua::fence_acc(acc);
+  ua::wg_commit();
+  ua::wg_wait<0>();
+  out[threadIdx.x] = acc[0][0] + (float)ua::kmajor_desc<64>(ua::smem_desc(b, 16), 1);
+#endif
+}
+""",
+}
+
+
+def test_every_header_is_listed():
+    from uacompile.targets.cuda.build import INCLUDE_DIR
+
+    assert sorted(p.name for p in (INCLUDE_DIR / "uacompile").glob("*.cuh")) == sorted(HEADERS)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("header", list(HEADERS))
+def test_header_compiles_on_its_own(header, arch, tmp_path):
+    from uacompile.nvcc import nvcc_path
+    from uacompile.targets.cuda.build import INCLUDE_DIR
+
+    cu = tmp_path / "one.cu"
+    cu.write_text(f'#include "uacompile/{header}"\n{HEADERS[header]}')
+    num = arch[3:]
+    res = subprocess.run([nvcc_path(), "-std=c++17", f"-I{INCLUDE_DIR}", f"-gencode=arch=compute_{num},code=sm_{num}",
+                          "-c", "-o", str(tmp_path / "one.o"), str(cu)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_headers_are_part_of_the_build_key():
+    """A header's contents are in every build's key (headers_digest), its install path is not."""
+    from uacompile.targets.cuda import build
+
+    digest = build.headers_digest()
+    assert len(digest) == 64 and digest == build.headers_digest()
+    assert any(f.startswith("-I") for f in build.nvcc_flags("sm_80", ""))
