@@ -32,7 +32,7 @@ def prim_func(op, target: str = "cpu"):
     gen = {"paged_attention": tvm_attention.paged_attention, "reshape_and_cache": tvm_cache_ops.reshape_and_cache,
            "copy_blocks": tvm_cache_ops.copy_blocks, "swap_blocks": tvm_cache_ops.swap_blocks,
            "merge_state": tvm_cache_ops.merge_state}[kernel.kind]
-    arg = kernel if kernel.kind == "paged_attention" else kernel.op
+    arg = kernel if kernel.kind in ("paged_attention", "reshape_and_cache") else kernel.op
     return finalize(gen(arg, target == "cuda"), kernel)
 
 
