@@ -15,6 +15,7 @@ are AttentionConfig fields) joins the search by an entry in that space's AXES: f
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -53,7 +54,7 @@ def product(axes: dict, base):
     names = list(axes)
     for values in itertools.product(*(axes[n] for n in names)):
         try:
-            yield base.replace(**dict(zip(names, values)))
+            yield dataclasses.replace(base, **dict(zip(names, values)))
         except IRError:
             continue
 
