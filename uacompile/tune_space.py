@@ -417,21 +417,27 @@ class TVMCUDAAttentionBench(CUDAAttentionBench):
     """TVM's CUDA attention kernel called directly (its own split partials; the merge is in the launch)."""
 
     def _plan(self, shape: Shape):
-        torch, op, cfg = self.torch, self.op, self.kernel.config
-        T, S = shape.num_tokens, cfg.num_splits
-        ws = {}
-        if S > 1:
-            ws["o_partial"] = torch.empty((S, T, op.num_q_heads, op.head_dim), dtype=torch.float32, device=self.device)
-            ws["lse_partial"] = torch.empty((S, T, op.num_q_heads), dtype=torch.float32, device=self.device)
-        if cfg.fused_merge:
-            ws["split_counters"] = torch.zeros((T, op.num_kv_heads), dtype=torch.int32, device=self.device)
-        if op.return_lse:
-            ws["lse"] = torch.empty((T, op.num_q_heads), dtype=torch.float32, device=self.device)
-        return tvm_cuda_kernel(self.kernel), ws
+        return tvm_cuda_plan(self.kernel, shape.num_tokens, self.device)
 
     def call(self, inp: dict, plan=None) -> None:
         fn, ws = plan or self.plan
         fn(**inp, **ws)
+
+
+def tvm_cuda_plan(kernel: ir.Kernel, num_tokens: int, device):
+    """(TVM's CUDA attention kernel, its workspaces for num_tokens tokens): call fn(**tensors, **workspaces)."""
+    import torch
+
+    op, cfg = kernel.op, kernel.config
+    S, ws = cfg.num_splits, {}
+    if S > 1:
+        ws["o_partial"] = torch.empty((S, num_tokens, op.num_q_heads, op.head_dim), dtype=torch.float32, device=device)
+        ws["lse_partial"] = torch.empty((S, num_tokens, op.num_q_heads), dtype=torch.float32, device=device)
+    if cfg.fused_merge:
+        ws["split_counters"] = torch.zeros((num_tokens, op.num_kv_heads), dtype=torch.int32, device=device)
+    if op.return_lse:
+        ws["lse"] = torch.empty((num_tokens, op.num_q_heads), dtype=torch.float32, device=device)
+    return tvm_cuda_kernel(kernel), ws
 
 
 def tvm_cuda_kernel(kernel: ir.Kernel):
@@ -461,4 +467,4 @@ def space(target: str, device=0):
     raise ValueError(f"target must be one of {SPACES}, got {target!r}")
 
 
-__all__ = ["SPACES", "CPUSpace", "CUDASpace", "TVMCUDASpace", "space", "check_shape", "tvm_cuda_kernel"]
+__all__ = ["SPACES", "CPUSpace", "CUDASpace", "TVMCUDASpace", "space", "check_shape", "tvm_cuda_kernel", "tvm_cuda_plan"]
