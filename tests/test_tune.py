@@ -175,6 +175,10 @@ def test_report_table_json_and_plot(tmp_path):
     assert [p.name for p in paths] == ["tune-test.json", "tune-test.md", "tune-test.png"]
     data = json.loads(paths[0].read_text())
     assert data["results"][0]["speedup"] > 1 and data["environment"] == ENV
+    # a device without matplotlib writes the JSON; the table and plot are rewritten from it elsewhere
+    assert main(["tune", "--rerender", str(paths[0]), "--report", str(tmp_path / "re")]) == 0
+    assert (tmp_path / "re" / "tune-test.png").exists()
+    assert (tmp_path / "re" / "tune-test.md").read_text() == paths[1].read_text()
 
 
 def test_ops_to_tune():

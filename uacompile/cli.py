@@ -82,6 +82,15 @@ def cmd_tune(args) -> int:
     from .tunedb import TuningDB, parse_shapes
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.rerender:
+        from .tune import read_report
+
+        results, env = read_report(Path(args.rerender))
+        print(report_table(results))
+        for path in write_report(results, Path(args.report or Path(args.rerender).parent), env,
+                                 stem=Path(args.rerender).stem):
+            print(f"wrote {path}", file=sys.stderr)
+        return 0
     db = TuningDB.open(args.db)
     if args.show:
         print(db.table())
@@ -149,6 +158,8 @@ def _add_tune(sub) -> None:
     what.add_argument("--preset", choices=sorted(PRESETS), help="the preset's ops that the target tunes")
     what.add_argument("--op", choices=sorted(OPS), help="one op (the default preset's, with --set fields)")
     what.add_argument("--show", action="store_true", help="print the tuning database")
+    what.add_argument("--rerender", default=None, metavar="JSON",
+                      help="rewrite a report's table and plot from its JSON (into --report, else beside it)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="op field, e.g. head_dim=64")
     t.add_argument("--target", choices=SPACES, default=None)
     t.add_argument("--shapes", default=None, help="decode:BxL,prefill:BxL,... (default: the target's)")

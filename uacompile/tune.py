@@ -228,7 +228,11 @@ def plot(results: list[Result], png: Path) -> Path | None:
     rows = [r for r in results if not r.error and r.tuned_ms]
     if not rows:
         return None
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the device has none: rerender the JSON elsewhere (uacompile tune --rerender)
+        log.warning("no matplotlib: %s not drawn", png)
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -258,6 +262,13 @@ def write_report(results: list[Result], out: Path, env: dict | None = None, stem
     return paths + ([png] if png else [])
 
 
+def read_report(path: Path) -> tuple[list[Result], dict | None]:
+    """(results, environment) of a report's JSON (report_json), to rewrite its table and plot elsewhere."""
+    data = json.loads(Path(path).read_text())
+    fields = Result.__dataclass_fields__
+    return [Result(**{k: v for k, v in r.items() if k in fields}) for r in data["results"]], data.get("environment")
+
+
 # ------------------------------------------------------------------ what to tune
 def ops_to_tune(target: str, preset: str | None = None, op_name: str | None = None, sets: dict | None = None):
     """The ops of a preset that the target's space tunes, or one op: the default preset's first model's op of
@@ -279,4 +290,5 @@ def ops_to_tune(target: str, preset: str | None = None, op_name: str | None = No
     return ops
 
 
-__all__ = ["DEFAULT_SHAPES", "Result", "tune", "report_table", "report_json", "plot", "write_report", "ops_to_tune"]
+__all__ = ["DEFAULT_SHAPES", "Result", "tune", "report_table", "report_json", "plot", "write_report", "read_report",
+           "ops_to_tune"]
