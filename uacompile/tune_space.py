@@ -11,7 +11,7 @@ kind (raises on a mismatch), `sample(calls)` returns seconds per call. Spaces:
   tvm-cuda  TVMConfig's CUDA knobs (lanes a row, threads a block, splits) on TVM's CUDA source; CUDA events
 
 A config field added to a target (the CUDA tiles, stages and producer lanes of targets/cuda/layout.py, once they
-are AttentionConfig fields) joins the search by an entry in that space's AXES: field -> the values to try.
+are AttentionConfig fields) joins the search by an entry in that space's axes(): field -> the values to try.
 """
 from __future__ import annotations
 
