@@ -166,6 +166,20 @@ def test_cuda_spaces_list_configs_that_fit_without_a_gpu():
     assert rs[0].overrides() == {} and len(rs) > 10
 
 
+def test_ascend_space_checks_on_the_emulator_and_times_nothing(tmp_path):
+    from uacompile.targets.ascend.config import AscendConfig
+    from uacompile.tune_space import AscendSpace
+
+    op = ir.PagedAttention(4, 2, 64, 16)
+    space = AscendSpace()
+    cands = space.candidates(op, Shape.parse("decode:2x40"))
+    assert cands[0] == AscendConfig() and {c.tile for c in cands} == {0, 1, 2, 4, 8, 16}
+    db = TuningDB(tmp_path / "t.json")
+    [r] = tune(op, space, [Shape.parse("decode:2x40")], db, trials=3, jobs=1, progress=False)
+    assert r.checked_only and r.candidates == 3 and r.discarded == [] and r.timed == 0
+    assert db.records == {} and "not timed (emulator)" in report_table([r])
+
+
 def test_report_table_json_and_plot(tmp_path):
     db = TuningDB(tmp_path / "t.json")
     results = run(SmallSpace(slow=[TVMConfig()]), db, rounds=3)

@@ -96,7 +96,7 @@ def cmd_tune(args) -> int:
         print(db.table())
         return 0
     if args.target is None:
-        raise ValueError("tune: --target is required (cpu, cuda or tvm-cuda)")
+        raise ValueError("tune: --target is required (cpu, cuda, tvm-cuda or ascend)")
     if args.preset is None and args.op is None:
         raise ValueError("tune: give --preset NAME or --op OP (or --show)")
     if args.set and args.op is None:
@@ -112,7 +112,7 @@ def cmd_tune(args) -> int:
     if args.report:
         from .tunedb import environment
 
-        env = environment("cpu" if args.target == "cpu" else "cuda")
+        env = None if args.target == "ascend" else environment("cpu" if args.target == "cpu" else "cuda")
         for path in write_report(results, Path(args.report), env):
             print(f"wrote {path}", file=sys.stderr)
     print(f"tuning database: {db.path}", file=sys.stderr)

@@ -36,6 +36,7 @@ DEFAULT_SHAPES = {
     "cpu": "decode:4x2048,prefill:1x512",
     "cuda": "decode:8x16384,decode:64x4096,prefill:4x4096,prefill:1x16384",
     "tvm-cuda": "decode:8x16384,decode:64x4096,prefill:4x4096,prefill:1x16384",
+    "ascend": "decode:4x1024,prefill:1x256",  # checked at check_shape's size only
 }
 DEFAULT_TRIALS = 24
 MIN_SAMPLE_S = {"cpu": 2e-3, "cuda": 1e-3}  # calls a sample takes are raised until one sample lasts this long
@@ -58,6 +59,7 @@ class Result:
     discarded: list = field(default_factory=list)  # [(config, reason)]
     cached: bool = False  # the database already held the record: nothing built or timed
     error: str | None = None
+    checked_only: bool = False  # a space without a timer (the AscendC emulator): candidates checked, none timed
 
     @property
     def speedup(self) -> float:
@@ -106,6 +108,8 @@ def tune(op: ir.OpSpec, space, shapes: list[Shape], db: TuningDB, *, trials: int
         raise ValueError(f"--budget must be > 0 seconds, got {budget}")
     if op.kind not in space.ops():
         raise ValueError(f"target {space.target} tunes {list(space.ops())}, not {op.kind}")
+    if space.timer is None:
+        env = env or {"device": f"{space.target} emulator", "toolchain": {}}
     env = env or environment("cpu" if space.timer == "cpu" else "cuda", getattr(space, "device", 0))
     jobs = jobs if jobs is not None else max(1, min(8, os.cpu_count() or 1))
     results = []
@@ -157,6 +161,10 @@ def tune(op: ir.OpSpec, space, shapes: list[Shape], db: TuningDB, *, trials: int
             results.append(Result(space.target, op.to_dict(), str(shape), bucket, config_to_dict(default),
                                   config_to_dict(default), 0.0, 0.0, len(configs), 0, discarded,
                                   error=f"default config fails: {reason}"))
+            continue
+        if space.timer is None:  # correctness only: nothing timed, nothing recorded
+            results.append(Result(space.target, op.to_dict(), str(shape), bucket, config_to_dict(default),
+                                  config_to_dict(default), 0.0, 0.0, len(configs), 0, discarded, checked_only=True))
             continue
         # time: round-robin, rotated, resumable
         key = record_key(space.target, op.key(), bucket, env["device"], env["toolchain"])
@@ -212,6 +220,10 @@ def report_table(results: list[Result]) -> str:
         if r.error:
             lines.append(f"| {r.target} | {name} | {r.shape} | | | | | {len(r.discarded)} | {r.error} |")
             continue
+        if r.checked_only:
+            lines.append(f"| {r.target} | {name} | {r.shape} | | | | {r.candidates - len(r.discarded)} / "
+                         f"{r.candidates} passed the reference | {len(r.discarded)} | not timed (emulator) |")
+            continue
         timed = "cached" if r.cached else f"{r.timed} / {r.candidates}"
         lines.append(f"| {r.target} | {name} | {r.shape} | {r.default_ms:.4f} | {r.tuned_ms:.4f} | "
                      f"{r.speedup:.2f}x | {timed} | {len(r.discarded)} | {_changed(r)} |")
@@ -225,7 +237,7 @@ def report_json(results: list[Result], env: dict | None = None) -> dict:
 
 def plot(results: list[Result], png: Path) -> Path | None:
     """A bar per shape: tuned speedup over the default (1.0 = the default won)."""
-    rows = [r for r in results if not r.error and r.tuned_ms]
+    rows = [r for r in results if not r.error and not r.checked_only and r.tuned_ms]
     if not rows:
         return None
     try:

@@ -9,6 +9,7 @@ kind (raises on a mismatch), `sample(calls)` returns seconds per call. Spaces:
   cuda      AttentionConfig (split count, fused merge, decode-only, item queue) and ReshapeConfig, on the Jinja
             kernels; CUDA events
   tvm-cuda  TVMConfig's CUDA knobs (lanes a row, threads a block, splits) on TVM's CUDA source; CUDA events
+  ascend    AscendConfig's tile and blockDim cap on the CPU emulator: checked against the reference, never timed
 
 A config field added to a target (the CUDA tiles, stages and producer lanes of targets/cuda/layout.py, once they
 are AttentionConfig fields) joins the search by an entry in that space's axes(): field -> the values to try.
@@ -27,7 +28,7 @@ from . import ir, reference, testing
 from .errors import IRError
 from .tunedb import Shape
 
-SPACES = ("cpu", "cuda", "tvm-cuda")
+SPACES = ("cpu", "cuda", "tvm-cuda", "ascend")
 
 
 def _tensors(d: dict) -> dict:
@@ -462,7 +463,83 @@ def tvm_cuda_kernel(kernel: ir.Kernel):
     return api.CudaKernel(kernel, library=load_library(path, [kernel]))
 
 
+# ------------------------------------------------------------------ AscendC (the CPU emulator: correctness only)
+class AscendSpace:
+    """AscendConfig's tile and blockDim cap. The emulator says nothing of the NPU's speed: every candidate is
+    built and checked against the reference, none is timed and nothing is recorded (tune() with timer None)."""
+
+    target = "ascend"
+    timer = None
+
+    def ops(self) -> tuple[str, ...]:
+        return ("paged_attention", "reshape_and_cache")
+
+    def default(self, op, shape: Shape):
+        from .targets.ascend.config import AscendConfig
+
+        return AscendConfig()
+
+    def axes(self, op, shape: Shape) -> dict:
+        from .targets.ascend.config import TILES
+
+        tiles = [0] + [t for t in TILES if t <= op.page_size] if op.kind == "paged_attention" else [0]
+        return {"tile": tiles, "block_dim": (0, 1, 7, 24)}
+
+    def candidates(self, op, shape: Shape) -> list:
+        default = self.default(op, shape)
+        return ordered(default, product(self.axes(op, shape), default), f"{op.key()}|{shape}")
+
+    def kernel(self, op, config) -> ir.Kernel:
+        from .targets.ascend.generate import plan
+
+        k = ir.Kernel(op, config)
+        plan(k)  # IRError where the UB or the part cannot take it
+        return k
+
+    @staticmethod
+    def build(kernel: ir.Kernel) -> None:
+        from .targets.ascend.build import emulator_library
+
+        emulator_library(kernel)
+
+    def bench(self, kernel: ir.Kernel, shape: Shape, seed: int = 0):
+        return AscendCheck(kernel, shape, seed)
+
+
+class AscendCheck:
+    """An emulator build of a kernel, checked against the reference at the shape's check size; never timed."""
+
+    def __init__(self, kernel: ir.Kernel, shape: Shape, seed: int = 0):
+        from .targets.ascend.build import load
+
+        self.kernel, self.shape, self.fn = kernel, shape, load(kernel)
+        self.rng = np.random.default_rng(seed)
+
+    def check(self) -> None:
+        from .targets.ascend import verify
+
+        shape, op = check_shape(self.shape), self.kernel.op
+        if op.kind == "paged_attention":
+            inputs = testing.attention_inputs(op, self.rng, shape.kv_lens(), shape.q_lens())
+            err = verify.attention_error(self.kernel, inputs, verify.run_attention(self.fn, inputs))
+            tol = testing.tolerance(op.q_dtype, op.kv_dtype)
+            if not err <= tol:
+                raise AssertionError(f"max |out - reference| = {err:.3g} > {tol:g}")
+            return
+        T = shape.num_tokens
+        got, want = verify.run_inplace(self.fn, testing.reshape_and_cache_inputs(op, self.rng, T,
+                                                                                  -(-T // op.page_size) + 4))
+        bad = [k for k in got if not np.array_equal(got[k].view(np.uint8), want[k].view(np.uint8))]
+        if bad:
+            raise AssertionError(f"{bad} differ from the reference")
+
+    def sample(self, calls: int = 1) -> float:
+        raise NotImplementedError("the AscendC emulator is not timed: its speed says nothing of the NPU's")
+
+
 def space(target: str, device=0):
+    if target == "ascend":
+        return AscendSpace()
     if target == "cpu":
         return CPUSpace()
     if target == "cuda":
@@ -472,4 +549,4 @@ def space(target: str, device=0):
     raise ValueError(f"target must be one of {SPACES}, got {target!r}")
 
 
-__all__ = ["SPACES", "CPUSpace", "CUDASpace", "TVMCUDASpace", "space", "check_shape", "tvm_cuda_kernel", "tvm_cuda_plan"]
+__all__ = ["SPACES", "CPUSpace", "CUDASpace", "TVMCUDASpace", "AscendSpace", "space", "check_shape", "tvm_cuda_kernel", "tvm_cuda_plan"]
