@@ -135,6 +135,15 @@ def test_an_interrupted_run_resumes_from_its_samples(tmp_path):
     assert r.timed == 3 and saved.partial == {}
 
 
+def test_a_budget_bounds_the_candidates_and_rounds(tmp_path):
+    """A tiny budget: the first build chunk (the default) only, and the 3 rounds every timing takes at least."""
+    db = TuningDB(tmp_path / "t.json")
+    [r] = tune(OP, SmallSpace(), SHAPES, db, budget=1e-3, rounds=10, jobs=1, env=ENV, progress=False)
+    assert r.timed == 1 and r.config == config_to_dict(TVMConfig()) and r.speedup == 1.0
+    with pytest.raises(ValueError, match="budget"):
+        tune(OP, SmallSpace(), SHAPES, db, budget=0, env=ENV, progress=False)
+
+
 def test_cpu_space_candidates_are_valid_and_default_first():
     cands = CPUSpace().candidates(OP, SHAPES[0])
     assert cands[0] == TVMConfig() and len(cands) == len(set(cands)) > 20
