@@ -60,6 +60,7 @@ class Result:
     cached: bool = False  # the database already held the record: nothing built or timed
     error: str | None = None
     checked_only: bool = False  # a space without a timer (the AscendC emulator): candidates checked, none timed
+    spread_pct: tuple = (0.0, 0.0)  # interquartile spread of the default's and the winner's samples, % of median
 
     @property
     def speedup(self) -> float:
@@ -195,14 +196,22 @@ def tune(op: ir.OpSpec, space, shapes: list[Shape], db: TuningDB, *, trials: int
         bar.close()
         medians = {i: statistics.median(samples[i]) for i in ok if samples[i]}
         best = min(medians, key=lambda i: (medians[i], i))
+        spread = tuple(round(_spread_pct(samples[i]), 2) for i in (0, best))
         rec = Record(space.target, op.to_dict(), op.key(), bucket, str(shape), env["device"], env["toolchain"],
                      config_to_dict(configs[best]), config_to_dict(default), medians[0] * 1e3, medians[best] * 1e3,
                      len(configs), len(discarded))
         db.put(rec)
         db.save()
         results.append(Result(space.target, op.to_dict(), str(shape), bucket, rec.default_config, rec.config,
-                              rec.default_ms, rec.tuned_ms, len(configs), len(medians), discarded))
+                              rec.default_ms, rec.tuned_ms, len(configs), len(medians), discarded, spread_pct=spread))
     return results
+
+
+def _spread_pct(xs: list) -> float:
+    if len(xs) < 4:
+        return 100 * (max(xs) - min(xs)) / statistics.median(xs)
+    q1, _, q3 = statistics.quantiles(xs, n=4)
+    return 100 * (q3 - q1) / statistics.median(xs)
 
 
 # ------------------------------------------------------------------ report
@@ -213,20 +222,22 @@ def _changed(r: Result) -> str:
 
 def report_table(results: list[Result]) -> str:
     """Default against tuned per (op, shape), with the speedup and what the winner changes."""
-    lines = [f"| target | op | shape | default ms | tuned ms | speedup | timed / candidates | discarded | tuned config |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| target | op | shape | default ms | tuned ms | speedup | spread % (default, tuned) | timed / candidates "
+             "| discarded | tuned config |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
-        name = f"{r.op.get('op')} {r.op.get('num_q_heads', '')}/{r.op.get('num_kv_heads', '')}/{r.op.get('head_dim', '')}"
+        geometry = "/".join(str(r.op[k]) for k in ("num_q_heads", "num_kv_heads", "head_dim", "page_size") if k in r.op)
+        name = f"{r.op.get('op')} {geometry} {r.op.get('q_dtype', r.op.get('dtype', ''))}"
         if r.error:
-            lines.append(f"| {r.target} | {name} | {r.shape} | | | | | {len(r.discarded)} | {r.error} |")
+            lines.append(f"| {r.target} | {name} | {r.shape} | | | | | | {len(r.discarded)} | {r.error} |")
             continue
         if r.checked_only:
-            lines.append(f"| {r.target} | {name} | {r.shape} | | | | {r.candidates - len(r.discarded)} / "
+            lines.append(f"| {r.target} | {name} | {r.shape} | | | | | {r.candidates - len(r.discarded)} / "
                          f"{r.candidates} passed the reference | {len(r.discarded)} | not timed (emulator) |")
             continue
         timed = "cached" if r.cached else f"{r.timed} / {r.candidates}"
+        spread = "" if r.cached else f"{r.spread_pct[0]:.1f}, {r.spread_pct[1]:.1f}"
         lines.append(f"| {r.target} | {name} | {r.shape} | {r.default_ms:.4f} | {r.tuned_ms:.4f} | "
-                     f"{r.speedup:.2f}x | {timed} | {len(r.discarded)} | {_changed(r)} |")
+                     f"{r.speedup:.2f}x | {spread} | {timed} | {len(r.discarded)} | {_changed(r)} |")
     return "\n".join(lines)
 
 
@@ -278,7 +289,10 @@ def read_report(path: Path) -> tuple[list[Result], dict | None]:
     """(results, environment) of a report's JSON (report_json), to rewrite its table and plot elsewhere."""
     data = json.loads(Path(path).read_text())
     fields = Result.__dataclass_fields__
-    return [Result(**{k: v for k, v in r.items() if k in fields}) for r in data["results"]], data.get("environment")
+    results = [Result(**{k: v for k, v in r.items() if k in fields}) for r in data["results"]]
+    for r in results:
+        r.spread_pct = tuple(r.spread_pct)
+    return results, data.get("environment")
 
 
 # ------------------------------------------------------------------ what to tune
