@@ -1,12 +1,14 @@
 """`uacompile tune` on the device: the production shapes and the variant sweep's geometries, one report.
 
-    python3 bench/tune_device.py --out bench/results [--budget 90] [--tvm-cuda] [--only production,variants]
+    python3 bench/tune_device.py --out bench/results [--trials 12 | --budget S] [--tvm-cuda] [--only production,variants]
 
 Tunes the CUDA (Jinja) attention config of Llama-3-8B / Qwen3-8B (one attention shape) at the production table's
 shapes (bench/attention_bench.py), and of each bench/variant_sweep.py geometry at its decode batch and 4 x 4096
 prefill; with --tvm-cuda, TVM's CUDA schedule at the production shapes too. Winners go to the tuning database
 (--db, default the user cache's), and the report, default against tuned per shape with the speedup, to
 OUT/tune-<date>.json and .md (.png where matplotlib is; else `uacompile tune --rerender OUT/tune-<date>.json`).
+A shape takes about its candidates' nvcc builds (in parallel) and checks; `--only production` and `--only variants`
+split the run across device calls (the database keeps what is done: a rerun skips it).
 """
 from __future__ import annotations
 
@@ -40,8 +42,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--db", default=None, help="tuning database (default: the user cache's)")
-    ap.add_argument("--budget", type=float, default=90.0, help="seconds a shape")
-    ap.add_argument("--rounds", type=int, default=15)
+    much = ap.add_mutually_exclusive_group()
+    much.add_argument("--trials", type=int, default=12, help="candidates a shape (the default among them)")
+    much.add_argument("--budget", type=float, default=None, help="seconds a shape, instead of --trials")
+    ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--only", default="production,variants", help="comma list of production, variants")
     ap.add_argument("--tvm-cuda", action="store_true", help="also TVM's CUDA schedule at the production shapes")
     ap.add_argument("--force", action="store_true", help="re-tune shapes the database holds")
@@ -68,7 +72,8 @@ def main(argv=None) -> int:
     stem = f"tune-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}"
     env = environment("cuda")
     for target, op, shapes in jobs:
-        results += tune(op, space(target), shapes, db, budget=args.budget, rounds=args.rounds, force=args.force)
+        results += tune(op, space(target), shapes, db, trials=None if args.budget else args.trials,
+                        budget=args.budget, rounds=args.rounds, force=args.force)
         write_report(results, Path(args.out), env, stem)  # a run cut short keeps its rows
     print(report_table(results))
     return 1 if any(r.error for r in results) else 0
