@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On the device (the `run` tool, carry [".whl"] (bench/fetch_device_wheels.sh) and ".peers" for FlashInfer rows):
+# On the device (the `run` tool, carry [".whl"] (bench/fetch_device_wheels.sh), ".peers" for FlashInfer rows and
+# ".carry/tvm-cuda" (bench/prebuild_tvm_cuda.sh) for the tvm-cuda runtime test):
 #   bash bench/run_device.sh                      # all GPU tests, then the whole benchmark
 #   UA_GPU_TESTS=tests/targets/cuda/test_cuda_api_gpu.py UA_BENCH_ARGS="--only cache,swap,build" bash bench/run_device.sh
 #   UA_GPU_TESTS=tests/targets/cuda/test_cuda_decode_gpu.py UA_BENCH_SCRIPT="bench/decode_sweep.py --extra" bash bench/run_device.sh
@@ -18,6 +19,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/pkg . || exit 1
 # PYTHONSAFEPATH: the repo root (whose uacompile/ lacks the mapped folders) never shadows the install
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONSAFEPATH=1
+# TVM-CUDA kernels built elsewhere (bench/prebuild_tvm_cuda.sh, carry ".carry/tvm-cuda"): the device has no TVM
+if [ -d .carry/tvm-cuda ]; then export UA_TVM_CUDA_KERNELS=${UA_TVM_CUDA_KERNELS:-$PWD/.carry/tvm-cuda}; fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, uacompile.targets.cuda.api as a; print('torch', torch.__version__, 'api', a.__file__)" || exit 1
 rc=0

@@ -78,7 +78,7 @@ class Request:
 class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None          # default: float32 on the CPU, the checkpoint's 16-bit type on CUDA
-    kernel_backend: str = "auto"      # auto | tvm-cpu | cuda | reference
+    kernel_backend: str = "auto"      # auto | tvm-cpu | cuda | tvm-cuda | reference
     kv_cache_bytes: int | None = None  # KV budget when num_pages is not given
     seed: int = 0                     # seeds of requests that bring none
     cpu_threads: int | None = None    # torch.set_num_threads (process-wide); None leaves torch's default
@@ -86,6 +86,7 @@ class EngineConfig:
     cuda_graphs: bool = True          # CUDA: replay decode steps from graphs captured at start-up
     progress: bool = True             # progress bars at start-up (kernel builds, graph captures)
     attention_variant: str = "ua"     # ua | unified_masked (llama.cpp's unified KV buffer, a measured baseline)
+    kernel_dir: str | None = None     # tvm-cuda: a `uacompile build --target cuda` folder of prebuilt kernels (no TVM here)
 
 
 def _pick_dtype(ec: EngineConfig, checkpoint_dtype: str) -> torch.dtype:
@@ -119,7 +120,8 @@ class Engine:
         self.scheduler = Scheduler(sc)
         ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sc.page_size, self.dtype,
                                   cfg.sliding_window, ec.attention_variant)
-        self.kernels = make_backend(ec.kernel_backend, ops, ec.device)
+        self.kernels = make_backend(ec.kernel_backend, ops, ec.device, ec.kernel_dir)
+        self.model.use_kernels(self.kernels)  # the layer ops (norms, SiLU-and-mul, RoPE) on the backend's kernels
         built = self.kernels.prepare(sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len, ec.progress)
         if built["kernels"]:
             log.info("kernels: %d ready in %.1f s (%d libraries from the cache)", built["kernels"], built["seconds"],

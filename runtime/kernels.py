@@ -1,21 +1,33 @@
-"""Kernel backends for the runtime: the four ops the executor launches, one interface.
+"""Kernel backends for the runtime: the four ops the executor launches, and the model's fused layer ops, one
+interface.
 
   tvm-cpu    TVM-LLVM kernels from uacompile.lower (the shipped CPU path)
   cuda       the generated CUDA kernels (uacompile.targets.cuda), cffi launchers on torch's stream
+  tvm-cuda   TVM's CUDA kernels (uacompile.lower.tvm_cuda) for the models the CUDA templates do not cover
+             (cuda falls back to it), prebuilt by `uacompile build` (kernel_dir) or built here with TVM
   reference  uacompile.reference in numpy float64 (slow; an explicit choice for debugging)
 
-Every call takes keyword tensors named as in op.params(); sizes are bound from the shapes.
+Every call takes keyword tensors named as in op.params(); sizes are bound from the shapes. The layer ops
+(rms_norm with the residual add, silu_and_mul, rope) are TorchLayerOps' torch code (the unfused model's
+arithmetic, exactly) unless a backend has kernels for them: cuda launches ir.RMSNorm / SiluAndMul / Rope.
 """
 from __future__ import annotations
 
+import importlib.util
+import logging
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from uacompile import binding, ir, reference
+from uacompile.errors import IRError
 
-BACKENDS = ("tvm-cpu", "cuda", "reference")
+log = logging.getLogger("uacompile.runtime")
+BACKENDS = ("tvm-cpu", "cuda", "tvm-cuda", "reference")
 
 
 @dataclass(frozen=True)
@@ -40,7 +52,96 @@ class KernelOps:
                    ir.SwapBlocks(num_kv_heads, head_dim, page_size, kv_dtype=dt))
 
 
-class KernelBackend:
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in float32, then back, as transformers does."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotate-half on x [T, H, D]; cos/sin [T, 1, D/2]."""
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+class TorchLayerOps:
+    """The model's layer ops in torch: the fallback of every backend without kernels for them."""
+
+    def prepare_layers(self, ops: list) -> None:
+        """Build (or load) the layer-op kernels a model will launch (ir.RMSNorm, SiluAndMul, Rope) before its
+        first step; nothing to do in torch."""
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        """RMSNorm of x's rows [N, E] times weight; with residual, of h = x + residual, returning (out, h): the
+        next residual. A backend may write h into residual and out into x (in place)."""
+        if residual is None:
+            return torch_rms_norm(x, weight, eps)
+        h = residual + x
+        return torch_rms_norm(h, weight, eps), h
+
+    def silu_and_mul(self, x):
+        """silu(gate) * up of a merged gate/up projection x [T, 2I] -> [T, I]."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope(self, x, positions, rope_theta: float, freq_factors: tuple, cos, sin):
+        """NeoX RoPE of x [T, H, D] at positions, of frequencies 1 / rope_theta^(2i / D) / freq_factors[i]
+        (ir.Rope), which the model's cos / sin tables [T, 1, D/2] hold too. Returns the rotated x (may be x itself,
+        rotated in place)."""
+        return apply_rope(x, cos, sin)
+
+
+class KernelLayerOps(TorchLayerOps):
+    """The layer ops on kernels (ir.RMSNorm, SiluAndMul, Rope): a subclass gives build_layer_kernel(op), a
+    callable over op.params() keywords. The residual stream is updated in place (rms_norm writes h into
+    residual and the norm into x), rope rotates a contiguous x in place."""
+
+    def build_layer_kernel(self, op: ir.OpSpec):
+        raise NotImplementedError
+
+    @property
+    def layer_kernels(self) -> dict:
+        """op -> its kernel, for the layer ops launched so far (built at first use)."""
+        return self.__dict__.setdefault("_layer_kernels", {})
+
+    def layer_kernel(self, key: tuple, make_op):
+        """The kernel of make_op()'s op, found by key (plain values: a hit builds no op, every layer every step)."""
+        by_key = self.__dict__.setdefault("_layer_kernels_by_key", {})
+        kern = by_key.get(key)
+        if kern is None:
+            op = make_op()
+            kern = by_key[key] = self.layer_kernels[op] = self.build_layer_kernel(op)
+        return kern
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        res = residual is not None
+        kern = self.layer_kernel(("rms_norm", x.shape[-1], x.dtype, eps, res),
+                                 lambda: ir.RMSNorm(x.shape[-1], ir.from_torch(x.dtype), float(eps), res))
+        if not res:
+            out = torch.empty_like(x)
+            kern(x=x, weight=weight, out=out)
+            return out
+        kern(x=x, residual=residual, weight=weight, out=x)  # residual += x; x = norm(residual)
+        return x, residual
+
+    def silu_and_mul(self, x):
+        inter = x.shape[1] // 2
+        out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
+        self.layer_kernel(("silu_and_mul", inter, x.dtype), lambda: ir.SiluAndMul(inter, ir.from_torch(x.dtype)))(
+            x=x, out=out)
+        return out
+
+    def rope(self, x, positions, rope_theta: float, freq_factors: tuple, cos, sin):
+        x = x.contiguous()
+        H, D = x.shape[1], x.shape[2]
+        kern = self.layer_kernel(("rope", H, D, x.dtype, rope_theta, freq_factors),
+                                 lambda: ir.Rope(H, D, ir.from_torch(x.dtype), float(rope_theta), freq_factors=freq_factors))
+        kern(x=x, positions=positions)
+        return x
+
+
+class KernelBackend(TorchLayerOps):
     name = "base"
 
     def __init__(self, ops: KernelOps):
@@ -143,7 +244,7 @@ class TVMCPUBackend(KernelBackend):
         self.fns[op.kind](**tensors)  # checks shapes, dtypes and layout itself
 
 
-class CUDABackend(KernelBackend):
+class CUDABackend(KernelLayerOps, KernelBackend):
     """Generated CUDA kernels (Jinja templates, nvcc, cffi) through uacompile.targets.cuda: launched on
     torch's current stream; a step's attention is planned once (split-KV by the step's shapes) and run
     every layer."""
@@ -171,12 +272,19 @@ class CUDABackend(KernelBackend):
         arch, sms = plan.device_arch(self.device), plan.device_sms(self.device)
         from uacompile.tunedb import default_tuned
 
-        configs = plan.reachable_configs(self.ops.attention, max_tokens, max_seqs, max_kv_len, sms, arch,
+        P = self.ops.attention.page_size  # a step's page tables span whole pages
+        configs = plan.reachable_configs(self.ops.attention, max_tokens, max_seqs, -(-max_kv_len // P) * P, sms, arch,
                                          default_tuned("cuda", self.device))  # tuned records' kernels too
         kernels = [ir.Kernel(self.ops.attention, c) for c in configs]
         kernels += [ir.Kernel(self.ops.cache_write), ir.Kernel(self.ops.copy), ir.Kernel(self.ops.swap)]
         hits = self.api.preload(kernels, progress=progress)
         return dict(kernels=len(kernels), cached=hits, seconds=time.perf_counter() - t0)
+
+    def prepare_layers(self, ops: list) -> None:
+        self.api.preload(ops)  # one nvcc run for all of them, cached on disk
+
+    def build_layer_kernel(self, op: ir.OpSpec):
+        return self.api.kernel(op)
 
     def plan_step(self, num_tokens: int, num_seqs: int, max_kv_len: int):
         return self.planner.plan(self.ops.attention, num_tokens, num_seqs, max_kv_len, workspace=self.workspace)
@@ -190,13 +298,161 @@ class CUDABackend(KernelBackend):
         self.api.kernel(op)(**tensors)  # checks names, dtypes, shapes, devices itself
 
 
-def make_backend(name: str, ops: KernelOps, device: str) -> KernelBackend:
+def cuda_template_gap(ops: KernelOps) -> str | None:
+    """Why the CUDA templates cannot run the model's ops (the first template check that refuses one), or None."""
+    from uacompile.targets.cuda import layout
+
+    try:
+        layout.check(ops.attention)
+    except IRError as e:
+        return str(e)
+    return None
+
+
+def tvm_cuda_kernels(ops: KernelOps) -> list[ir.Kernel]:
+    """The TVM-CUDA kernels a model launches: attention in one split (TVMConfig(): no partials, nothing to plan),
+    the cache ops as they are; the symbols `uacompile build --target cuda` writes for the model's shape."""
+    from uacompile.lower.config import TVMConfig
+
+    return [ir.Kernel(ops.attention, TVMConfig()), ir.Kernel(ops.cache_write), ir.Kernel(ops.copy),
+            ir.Kernel(ops.swap)]
+
+
+def _runs_on(built: str, device: str) -> bool:
+    """Whether code nvcc built for arch `built` (-arch=sm_XY: SASS + PTX; sm_XYa: SASS only) runs on `device`."""
+    num = lambda a: int(a[3:].rstrip("a"))  # noqa: E731
+    return built == device if built.endswith("a") else num(built) <= num(device)
+
+
+DTYPE_FIELDS = ("q_dtype", "kv_dtype", "dtype")
+
+
+def _build_hint(kernel: ir.Kernel, out_dir, entries: dict | None = None) -> str:
+    """How to get a TVM-CUDA kernel into a `uacompile build` folder (or which dtype the folder has it in)."""
+    from uacompile.build import build_command
+
+    cmd = build_command(kernel, "cuda", "tvm", out_dir)
+    if cmd is not None:
+        return f"build it where TVM is installed: `{cmd}`"
+    want = {k: v for k, v in kernel.op.to_dict().items() if k not in DTYPE_FIELDS}
+    other = sorted({str(e["params"].get("q_dtype", e["params"].get("dtype"))) for e in (entries or {}).values()
+                    if {k: v for k, v in e["params"].items() if k not in DTYPE_FIELDS} == want})
+    if other:
+        names = " or ".join(repr(ir.DTYPES[d].torch) for d in other)
+        return f"the folder holds this shape in {'/'.join(other)} (run the model with dtype={names})"
+    return "no `uacompile build` preset holds this shape (add it to uacompile.build.MODELS and build that preset)"
+
+
+def _describe(kernel: ir.Kernel) -> str:
+    """A kernel in a message: its symbol, op and the fields that tell it apart (heads, head_dim, page, dtypes)."""
+    d = kernel.op.to_dict()
+    keep = ("num_q_heads", "num_kv_heads", "head_dim", "page_size", "q_dtype", "kv_dtype", "dtype", "variant",
+            "window")
+    fields = ", ".join(f"{k}={d[k]}" for k in keep if d.get(k) not in (None, 0))
+    return f"TVM-CUDA kernel {kernel.symbol()} ({kernel.kind}: {fields})"
+
+
+def prebuilt_libraries(kernels: list[ir.Kernel], kernel_dir: str | Path, arch: str) -> dict[str, Path]:
+    """Each kernel's library in a `uacompile build` folder, by symbol among its cuda/tvm entries (manifest.json):
+    {symbol: .so path}. Imports neither TVM nor the CUDA runtime. ValueError, one line, for a kernel the folder
+    lacks or holds built for another arch, naming the `uacompile build` command that makes it."""
+    from uacompile.build import load_manifest
+
+    entries = load_manifest(kernel_dir, "cuda", "tvm")
+    out = {}
+    for k in kernels:
+        entry = entries.get(k.symbol())
+        if entry is None:
+            raise ValueError(f"{_describe(k)} is not in {Path(kernel_dir) / 'manifest.json'}; "
+                             f"{_build_hint(k, kernel_dir, entries)}")
+        lib = entry.get("library")
+        if lib is None or not Path(lib).exists():
+            why = (entry.get("reason") or "not built").splitlines()[0] if lib is None else f"{lib} is missing"
+            raise ValueError(f"{_describe(k)} was not built in {kernel_dir} ({why}); {_build_hint(k, kernel_dir)}")
+        built = entry.get("arch") or "sm_90"
+        if not _runs_on(built, arch):
+            raise ValueError(f"{_describe(k)} in {kernel_dir} is built for {built}, which does not run on {arch}; "
+                             "build the kernels on this machine instead (no kernel_dir; needs TVM and nvcc)")
+        out[k.symbol()] = Path(lib)
+    return out
+
+
+class TVMCUDABackend(KernelBackend):
+    """TVM's CUDA kernels (uacompile.lower.tvm_cuda: generated source + an extern "C" launcher, nvcc-built), for
+    the models the CUDA templates do not cover (fp32, head_dim not a multiple of 16, ...).
+
+    With kernel_dir, a `uacompile build --target cuda` folder, each kernel's library is looked up there by symbol
+    (manifest.json), so a GPU machine needs neither TVM nor nvcc; without it they are generated and built here
+    through the kernel cache (TVM + nvcc). Loading is cffi with ir.cffi_cdef (targets.cuda.loader.load_library);
+    calls go through targets.cuda.api.CudaKernel (the one binder, torch's current stream). Attention runs in one
+    split, so plan_step has nothing to plan (None) and no workspace exists: a call binds and launches, allocating
+    nothing, and the decode graphs capture it."""
+
+    name = "tvm-cuda"
+
+    def __init__(self, ops: KernelOps, kernel_dir: str | Path | None = None, arch: str | None = None):
+        super().__init__(ops)
+        from uacompile import nvcc
+
+        self.arch = nvcc.check_arch(arch) if arch else nvcc.default_arch()
+        self.kernels = tvm_cuda_kernels(ops)
+        self.kernel_dir = kernel_dir
+        if kernel_dir is not None:
+            self.paths = prebuilt_libraries(self.kernels, kernel_dir, self.arch)
+        else:
+            self.paths = None
+            if importlib.util.find_spec("tvm") is None:
+                raise NotImplementedError(
+                    "tvm-cuda backend: TVM is not installed here, so the model's CUDA kernels cannot be generated; "
+                    f"pass kernel_dir=DIR, a folder of prebuilt kernels ({_build_hint(self.kernels[0], 'DIR')})")
+        self.calls: dict[str, object] = {}  # op kind -> api.CudaKernel
+
+    def prepare(self, max_tokens: int = 0, max_seqs: int = 0, max_kv_len: int = 0, progress: bool = False) -> dict:
+        """Load every kernel the model launches (from kernel_dir, or built here), so no step waits; returns
+        {kernels, cached: libraries taken from kernel_dir, seconds}."""
+        from tqdm import tqdm
+
+        from uacompile.targets.cuda import api, loader
+
+        t0 = time.perf_counter()
+        todo = [k for k in self.kernels if k.kind not in self.calls]
+        for k in tqdm(todo, desc="tvm-cuda kernels", unit="kernel", disable=not progress, dynamic_ncols=True):
+            if self.paths is not None:
+                path = self.paths[k.symbol()]
+            else:
+                from uacompile.lower.tvm_cuda import build_cuda_library
+
+                path = build_cuda_library(k, self.arch)
+            self.calls[k.kind] = api.CudaKernel(k, library=loader.load_library(path, [k]))
+        return dict(kernels=len(self.kernels), cached=len(self.kernels) if self.paths is not None else 0,
+                    seconds=time.perf_counter() - t0)
+
+    def run(self, op, **tensors):
+        call = self.calls.get(op.kind)
+        if call is None:
+            self.prepare()
+            call = self.calls[op.kind]
+        call(**tensors)  # checks names, dtypes, shapes, devices; launches on torch's current stream
+
+
+def make_backend(name: str, ops: KernelOps, device: str, kernel_dir: str | Path | None = None) -> KernelBackend:
+    """The backend `name` runs the model's ops with. cuda falls back to tvm-cuda where the CUDA templates do not
+    cover the model (cuda_template_gap); kernel_dir (prebuilt TVM-CUDA kernels) is read by tvm-cuda only."""
     if name == "auto":
         name = "cuda" if device == "cuda" else "tvm-cpu"
     if name not in BACKENDS:
         raise ValueError(f"kernel_backend must be one of {('auto',) + BACKENDS}, got {name!r}")
-    if name == "cuda" and device != "cuda":
-        raise ValueError("kernel_backend='cuda' needs device='cuda'")
-    if name != "cuda" and device == "cuda":
+    if name in ("cuda", "tvm-cuda") and device != "cuda":
+        raise ValueError(f"kernel_backend={name!r} needs device='cuda'")
+    if name not in ("cuda", "tvm-cuda") and device == "cuda":
         raise ValueError(f"kernel_backend={name!r} runs on the CPU; use device='cpu' or kernel_backend='cuda'")
+    if name == "cuda":
+        gap = cuda_template_gap(ops)
+        if gap is not None:
+            log.info("cuda: the CUDA templates do not cover this model (%s); running TVM's CUDA kernels", gap)
+            name = "tvm-cuda"
+    if name == "tvm-cuda":
+        return TVMCUDABackend(ops, kernel_dir)
+    if kernel_dir is not None:
+        log.info("kernel_dir %s is not used: the %s backend builds its own kernels", kernel_dir, name)
     return {"reference": ReferenceBackend, "tvm-cpu": TVMCPUBackend, "cuda": CUDABackend}[name](ops)

@@ -12,8 +12,9 @@ ENGINE_OPTIONS = {f.name for f in fields(EngineConfig)}
 class LLM:
     """Generate from a GGUF file or a Hugging Face directory.
 
-    Engine options: device ("cpu" | "cuda"), dtype, kernel_backend ("auto" | "tvm-cpu" | "cuda" |
-    "reference"), kv_cache_bytes, seed. Everything else goes to SchedulerConfig (page_size,
+    Engine options: device ("cpu" | "cuda"), dtype, kernel_backend ("auto" | "tvm-cpu" | "cuda" | "tvm-cuda" |
+    "reference"), kernel_dir (prebuilt TVM-CUDA kernels: a `uacompile build --target cuda` folder),
+    kv_cache_bytes, seed. Everything else goes to SchedulerConfig (page_size,
     num_pages, num_cpu_pages, max_num_seqs, max_num_batched_tokens, max_prefill_chunk, policy,
     preemption, enable_prefix_caching, max_model_len).
     """

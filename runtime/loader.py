@@ -1,12 +1,16 @@
 """Load a Llama-family model: GGUF (llama.cpp) or a Hugging Face directory.
 
-Both produce (ModelConfig, weights by HF name as torch tensors, tokenizer). GGUF tensors are
-dequantised at load (F32, F16, BF16, Q8_0) and Q/K rows are un-permuted from llama.cpp's
-interleaved rotary layout back to the rotate-half layout the model uses.
+Both produce (ModelConfig, weights by HF name as torch tensors, tokenizer). GGUF architectures:
+`llama` (Llama and Mistral: llama.cpp's converter writes MistralForCausalLM as `llama`), `qwen2`
+(q/k/v biases) and `qwen3` (per-head q/k RMSNorm). Tensors are dequantised at load (F32, F16, BF16,
+Q8_0). For `llama` the Q/K rows are un-permuted from llama.cpp's interleaved rotary layout back to
+the rotate-half layout the model uses; qwen2/qwen3 are stored unpermuted (llama.cpp runs them with
+NeoX rotary, which is rotate-half).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +19,19 @@ import numpy as np
 import torch
 
 from .model import ModelConfig
-from .tokenizer import Tokenizer, hf_tokenizer, spm_from_gguf_fields
+from .tokenizer import Tokenizer, gguf_tokenizer, hf_tokenizer
+
+log = logging.getLogger(__name__)
 
 HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-GGUF_ARCHS = ("llama",)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+GGUF_PERMUTED_QK = ("llama",)  # archs whose converter permutes Q/K rows for interleaved rotary
 GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0")
+# the checkpoint dtype a GGUF reports (ModelConfig.torch_dtype), by the type holding most of its elements;
+# Q8_0 (int8 times an fp16 scale, exact in neither half type) runs in bf16: these models were trained in
+# bf16 and their activations can leave fp16's range
+GGUF_CHECKPOINT_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "bfloat16"}
+GGUF_PROGRESS_BYTES = 256 << 20  # files this large show a progress bar while they dequantise
 # GGUF tensor name -> HF name ({i} = layer)
 GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -35,6 +47,8 @@ GGUF_NAMES = {
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
     "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
@@ -130,20 +144,30 @@ def load_gguf(path: Path) -> LoadedModel:
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
     elif kind not in ("none", None):
         raise ValueError(f"{path}: GGUF rope scaling {kind!r} is not supported (supported: none, linear)")
-    tokenizer = spm_from_gguf_fields(fields) if "tokenizer.ggml.tokens" in fields else None
+    tokenizer = gguf_tokenizer(fields) if "tokenizer.ggml.tokens" in fields else None
     vocab = int(tensors["token_embd.weight"].shape[1])
     n_layers = int(get("block_count", required=True))
-    weights = {}
+    from tqdm import tqdm
+
+    weights, elements = {}, dict.fromkeys(GGUF_TENSOR_TYPES, 0)
+    total = sum(int(t.n_bytes) for t in tensors.values())
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}", dynamic_ncols=True,
+               disable=total < GGUF_PROGRESS_BYTES)
     for name, t in tensors.items():
+        bar.update(int(t.n_bytes))
         hf = _gguf_to_hf(name, n_layers)
         if hf is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {name!r} for architecture {arch}")
         w = gguf_tensor(t)
-        if ".attn_q." in name:
+        if arch in GGUF_PERMUTED_QK and ".attn_q." in name:
             w = unpermute_rope(w, H)
-        elif ".attn_k." in name:
+        elif arch in GGUF_PERMUTED_QK and ".attn_k." in name:
             w = unpermute_rope(w, Hkv)
         weights[hf] = torch.from_numpy(np.ascontiguousarray(w))
+        elements[t.tensor_type.name] += w.size
+    bar.close()
+    log.info("%s: GGUF %s, %d layers, tensor elements by type %s, tokenizer %s", path.name, arch, n_layers,
+             {k: v for k, v in elements.items() if v}, fields.get("tokenizer.ggml.model"))
     cfg = ModelConfig(
         arch=arch, vocab_size=vocab, hidden_size=E, intermediate_size=int(get("feed_forward_length", required=True)),
         num_layers=n_layers, num_heads=H, num_kv_heads=Hkv, head_dim=D,
@@ -151,10 +175,12 @@ def load_gguf(path: Path) -> LoadedModel:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling, max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors, o_bias="blk.0.attn_output.bias" in tensors,
+        qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors, o_bias="blk.0.attn_output.bias" in tensors,
+        qk_norm=arch == "qwen3", sliding_window=int(get("attention.sliding_window", 0)),
         rope_freq_factors="rope_freqs.weight" in tensors,
         bos_token_id=tokenizer.bos_token_id if tokenizer else None,
-        eos_token_ids=tokenizer.eos_token_ids if tokenizer else ())
+        eos_token_ids=tokenizer.eos_token_ids if tokenizer else (),
+        torch_dtype=GGUF_CHECKPOINT_DTYPE[max(elements, key=elements.get)])
     return LoadedModel(cfg, weights, tokenizer)
 
 

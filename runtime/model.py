@@ -1,8 +1,11 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) in torch.
 
 Parameter names follow Hugging Face's checkpoints, so a HF state dict loads as is and the
-GGUF loader only renames. Matmuls, norms and the MLP are torch; K/V writes and attention
-go through the kernel backend (one paged-attention launch per layer for the whole batch).
+GGUF loader only renames; after loading, fuse() merges q/k/v and gate/up into one projection
+each (one matmul). Matmuls are torch; the layer ops (RMSNorm with the residual add, SiLU-and-mul,
+RoPE) go through `self.layer_backend` (kernels.TorchLayerOps, or the kernel backend given to use_kernels),
+K/V writes and attention through the executor's callback (one paged-attention launch per layer
+for the whole batch).
 """
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-import torch.nn.functional as F
+
+from .kernels import TorchLayerOps, torch_rms_norm
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -77,23 +81,35 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv
 
 
+def rope_freq_factors(cfg: ModelConfig, inv_freq: torch.Tensor) -> tuple[float, ...]:
+    """inv_freq as divisors of the unscaled 1 / theta^(2i / D) (ir.Rope.freq_factors); () when unscaled."""
+    D = cfg.head_dim
+    plain = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    factors = plain / inv_freq.to("cpu", torch.float64)
+    return () if bool((factors == 1).all()) else tuple(factors.tolist())
+
+
 class RMSNorm(nn.Module):
+    """A norm's weight (HF name `weight`) and eps; the model runs it through its layer ops."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # in float32, then back, as transformers does
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return torch_rms_norm(x, self.weight, self.eps)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX rotate-half on x [T, H, D]; cos/sin [T, 1, D/2]."""
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+def merged_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the parts' outputs side by side (weights and biases concatenated)."""
+    w = torch.cat([p.weight.detach() for p in parts])
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(w)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+    return fused
 
 
 class Attention(nn.Module):
@@ -104,22 +120,26 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(E, H * D, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(E, Hkv * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(E, Hkv * D, bias=cfg.qkv_bias)
+        self.qkv_proj = None  # fuse(): q, k and v in one matmul
         self.o_proj = nn.Linear(H * D, E, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(D, cfg.rms_norm_eps), RMSNorm(D, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, attn) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.H, self.D)
-        k = self.k_proj(x).view(T, self.Hkv, self.D)
-        v = self.v_proj(x).view(T, self.Hkv, self.D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn(self.layer, q, k, v)  # cache write + one paged-attention launch
-        return self.o_proj(out.reshape(T, self.H * self.D))
+    def fuse(self) -> None:
+        self.qkv_proj = merged_linear([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x, rope, attn, ops: TorchLayerOps) -> torch.Tensor:
+        T, H, Hkv, D = x.shape[0], self.H, self.Hkv, self.D
+        q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        if self.q_norm is not None:  # Qwen3: RMSNorm of each head's q and k, before RoPE
+            q = ops.rms_norm(q.reshape(T * H, D), self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k.reshape(T * Hkv, D), self.k_norm.weight, self.k_norm.eps)
+        q, k = rope(q.reshape(T, H, D)), rope(k.reshape(T, Hkv, D))
+        out = attn(self.layer, q, k, v.reshape(T, Hkv, D).contiguous())  # cache write + one paged-attention launch
+        return self.o_proj(out.reshape(T, H * D))
 
 
 class MLP(nn.Module):
@@ -128,10 +148,15 @@ class MLP(nn.Module):
         E, F_ = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = nn.Linear(E, F_, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(E, F_, bias=cfg.mlp_bias)
+        self.gate_up_proj = None  # fuse(): gate and up in one matmul
         self.down_proj = nn.Linear(F_, E, bias=cfg.mlp_bias)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse(self) -> None:
+        self.gate_up_proj = merged_linear([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x, ops: TorchLayerOps):
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -142,9 +167,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, attn, ops: TorchLayerOps):
+        """x: the previous layer's output, residual: the stream before it (None in the first layer, where x is
+        the stream). Returns (this layer's output, the stream before it): each norm adds the pending output to
+        the stream as it normalises it (rms_norm with the residual)."""
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            h, residual = ops.rms_norm(x, norm_in.weight, norm_in.eps), x
+        else:
+            h, residual = ops.rms_norm(x, norm_in.weight, norm_in.eps, residual)
+        h = self.self_attn(h, rope, attn, ops)
+        h, residual = ops.rms_norm(h, norm_post.weight, norm_post.eps, residual)
+        return self.mlp(h, ops), residual
 
 
 class Backbone(nn.Module):
@@ -171,23 +205,57 @@ class LlamaForCausalLM(nn.Module):
         if cfg.rope_freq_factors:  # GGUF rope_freqs: llama.cpp divides each frequency by its factor
             self.register_buffer("rope_freqs", torch.ones(cfg.head_dim // 2, dtype=torch.float32))
         self.inv_freq = rope_inv_freq(cfg)  # float64, deliberately not a buffer: .to(dtype) must not round it
+        self.rope_freq_factors: tuple[float, ...] = ()  # ir.Rope's form of inv_freq, set with it by _refresh_rope
+        self.layer_backend: TorchLayerOps = TorchLayerOps()  # runs the layer ops (use_kernels: a backend's kernels)
 
     def _refresh_rope(self) -> None:
         inv = rope_inv_freq(self.cfg)
         if self.cfg.rope_freq_factors:
             inv = inv / self.rope_freqs.to(torch.float64).cpu()
         self.inv_freq = inv.to(self.model.embed_tokens.weight.device)
+        self.rope_freq_factors = rope_freq_factors(self.cfg, inv)
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
         ang = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # float64: exact at long positions
         return ang.cos().to(dtype)[:, None, :], ang.sin().to(dtype)[:, None, :]
 
+    def fuse(self) -> None:
+        """Merge each layer's q/k/v and gate/up projections into one matmul each (after load_weights: the HF
+        names load, then this; biases merged too)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def layer_ops(self, dtype: torch.dtype) -> list:
+        """The IR layer ops this model launches at dtype (a kernel backend builds them up front)."""
+        from uacompile import ir
+
+        cfg, dt = self.cfg, ir.from_torch(dtype)
+        ops = [ir.RMSNorm(cfg.hidden_size, dt, cfg.rms_norm_eps), ir.RMSNorm(cfg.hidden_size, dt, cfg.rms_norm_eps, True),
+               ir.SiluAndMul(cfg.intermediate_size, dt)]
+        if cfg.qk_norm:
+            ops.append(ir.RMSNorm(cfg.head_dim, dt, cfg.rms_norm_eps))
+        return ops + [ir.Rope(n, cfg.head_dim, dt, cfg.rope_theta, freq_factors=self.rope_freq_factors)
+                      for n in sorted({cfg.num_heads, cfg.num_kv_heads})]
+
+    def use_kernels(self, backend: TorchLayerOps) -> None:
+        """Run the layer ops through a kernel backend (kernels.KernelBackend), its kernels built now."""
+        backend.prepare_layers(self.layer_ops(self.model.embed_tokens.weight.dtype))
+        self.layer_backend = backend
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope_tables(positions, x.dtype)
+        cos, sin = self.rope_tables(positions, x.dtype)  # the torch RoPE's tables
+        ops, theta, factors = self.layer_backend, self.cfg.rope_theta, self.rope_freq_factors
+
+        def rope(t):
+            return ops.rope(t, positions, theta, factors, cos, sin)
+
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, attn, ops)
+        norm = self.model.norm
+        return ops.rms_norm(x, norm.weight, norm.eps, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -202,6 +270,7 @@ class LlamaForCausalLM(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         model.load_weights(weights)
         model._refresh_rope()  # rope_freqs were just loaded, at full precision
+        model.fuse()  # on the CPU, before the move: the device never holds both copies
         model = model.to(device=device, dtype=dtype).eval()
         model.inv_freq = model.inv_freq.to(device)
         return model
@@ -226,6 +295,7 @@ class LlamaForCausalLM(nn.Module):
             if cfg.rope_freq_factors:
                 model.rope_freqs.fill_(1.0)
         model._refresh_rope()
+        model.fuse()
         return model.eval()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -1,6 +1,7 @@
-"""Tokenizers: llama.cpp's SentencePiece-style (SPM) vocab from a GGUF, and HF tokenizer.json.
+"""Tokenizers: a GGUF's vocab (llama.cpp's SentencePiece-style `llama` model, or its byte-level BPE `gpt2`
+model built with the `tokenizers` library) and HF tokenizer.json.
 
-Both expose encode(text) -> ids (with BOS when the model wants it), decode(ids) -> str
+All expose encode(text) -> ids (with BOS when the model wants it), decode(ids) -> str
 (special tokens skipped), decode_continuation(context, new) for output text, token_text(id) for
 log-prob listings, and the model's chat template (a Jinja string) when it ships one.
 IncrementalDecoder turns a growing list of output ids into text pieces that never split a UTF-8
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 SPACE = "\u2581"  # SentencePiece's visible space
@@ -177,18 +179,25 @@ class SPMTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """tokenizer.json through the `tokenizers` library; its post-processor adds BOS when the model wants it."""
+    """A `tokenizers` Tokenizer (tokenizer.json, or a GGUF BPE vocab); its post-processor adds BOS when the
+    model wants it."""
 
-    def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = (), bos_token_id: int | None = None):
-        from tokenizers import Tokenizer as _Tok
-
-        try:
-            self.tok = _Tok.from_file(str(path))
-        except Exception as e:
-            raise ValueError(f"{path}: cannot read tokenizer ({e})") from None
+    def __init__(self, tok, eos_token_ids: tuple[int, ...] = (), bos_token_id: int | None = None):
+        self.tok = tok
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id, self.eos_token_ids = bos_token_id, tuple(eos_token_ids)
         self.add_bos = bos_token_id is not None and bos_token_id in self.tok.encode("a", add_special_tokens=True).ids
+
+    @classmethod
+    def from_file(cls, path: str | Path, eos_token_ids: tuple[int, ...] = (),
+                  bos_token_id: int | None = None) -> "HFTokenizer":
+        from tokenizers import Tokenizer as _Tok
+
+        try:
+            tok = _Tok.from_file(str(path))
+        except Exception as e:
+            raise ValueError(f"{path}: cannot read tokenizer ({e})") from None
+        return cls(tok, eos_token_ids, bos_token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -202,6 +211,116 @@ class HFTokenizer(Tokenizer):
         return self.tok.decode([int(token_id)], skip_special_tokens=False)
 
 
+@dataclass(frozen=True)
+class BPEPre:
+    """How a byte-level BPE vocab splits text before the merges: the split regex of the model's
+    tokenizer.json (None: GPT-2's, built into the ByteLevel pre-tokenizer), NFC normalisation first,
+    whether a word found whole in the vocab skips the merges, and whether BOS is added when the GGUF
+    has no tokenizer.ggml.add_bos_token (llama.cpp's defaults per pre-tokenizer)."""
+
+    regex: str | None
+    nfc: bool = False
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre (llama.cpp's name for the pre-tokenizer) -> the HF tokenizer.json it was converted from
+BPE_PRE = {
+    "gpt-2": BPEPre(None),
+    "qwen2": BPEPre(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                    r"|\s*[\r\n]+|\s+(?!\S)|\s+", nfc=True),
+    "llama-bpe": BPEPre(LLAMA3_SPLIT, ignore_merges=True, add_bos=True),
+    "llama3": BPEPre(LLAMA3_SPLIT, ignore_merges=True, add_bos=True),
+    "llama-v3": BPEPre(LLAMA3_SPLIT, ignore_merges=True, add_bos=True),
+    "tekken": BPEPre(r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+", ignore_merges=True, add_bos=True),
+}
+
+
+# token texts llama.cpp ends generation on besides the GGUF's EOS / EOT / EOM ids (chat-turn ends, a base
+# model's end of text): a Qwen instruct model stops on <|im_end|> and <|endoftext|> both, as with transformers
+GGUF_EOG_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>",
+                  "<end_of_turn>")
+
+
+def gguf_tokenizer(fields: dict) -> Tokenizer:
+    """The tokenizer a GGUF's metadata (already read into plain Python values) describes; its
+    eos_token_ids are every end-of-generation token (EOS first)."""
+    model = fields.get("tokenizer.ggml.model")
+    if model == "llama":
+        tok = spm_from_gguf_fields(fields)
+    elif model == "gpt2":
+        tok = bpe_from_gguf_fields(fields)
+    else:
+        raise ValueError(f"GGUF tokenizer.ggml.model {model!r} is not supported "
+                         "(supported: 'llama' SentencePiece-style, 'gpt2' byte-level BPE)")
+    marked = (_gguf_token_id(fields, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom"))
+    by_text = (i for i, t in enumerate(fields["tokenizer.ggml.tokens"]) if t in GGUF_EOG_TEXTS)
+    tok.eos_token_ids = tuple(dict.fromkeys([*tok.eos_token_ids, *(i for i in marked if i is not None), *by_text]))
+    return tok
+
+
+def _gguf_token_id(fields: dict, key: str) -> int | None:
+    v = fields.get(key)
+    return int(v) if v is not None and 0 <= int(v) < len(fields["tokenizer.ggml.tokens"]) else None
+
+
+def bpe_from_gguf_fields(fields: dict) -> HFTokenizer:
+    """llama.cpp's `gpt2` vocab (byte-level BPE: tokens, merges, token types, pre-tokenizer name) as a
+    `tokenizers` BPE model; CONTROL tokens become special added tokens, USER_DEFINED ones plain added tokens."""
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer as _Tok
+
+    tokens = list(fields["tokenizer.ggml.tokens"])
+    pre_name = fields.get("tokenizer.ggml.pre")
+    pre = BPE_PRE.get(pre_name)
+    if pre is None:
+        raise ValueError(f"GGUF tokenizer.ggml.pre {pre_name!r} is not supported (supported: {sorted(BPE_PRE)})")
+    merges = []
+    for m in fields.get("tokenizer.ggml.merges") or ():
+        pair = m.split(" ")
+        if len(pair) != 2:
+            raise ValueError(f"GGUF tokenizer.ggml.merges: {m!r} is not two tokens separated by one space")
+        merges.append((pair[0], pair[1]))
+    if not merges:
+        raise ValueError("GGUF BPE tokenizer has no tokenizer.ggml.merges")
+    types = [int(t) for t in fields.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
+    if len(types) != len(tokens):
+        raise ValueError(f"tokenizer: tokens/token_type lengths differ ({len(tokens)}, {len(types)})")
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # first id wins on duplicates, as in llama.cpp
+    tok = _Tok(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges, fuse_unk=False,
+                          byte_fallback=False))
+    if pre.nfc:
+        tok.normalizer = normalizers.NFC()
+    if pre.regex is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pre.regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    bos = _gguf_token_id(fields, "tokenizer.ggml.bos_token_id")
+    eos = _gguf_token_id(fields, "tokenizer.ggml.eos_token_id")
+    add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", pre.add_bos)) and bos is not None
+    add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:
+        def template(seq: str) -> str:
+            return " ".join([tokens[bos]] * add_bos + [seq] + [tokens[eos]] * add_eos)
+
+        specials = {tokens[i]: i for i, on in ((bos, add_bos), (eos, add_eos)) if on}
+        tok.post_processor = processors.TemplateProcessing(
+            single=template("$A"), pair=f"{template('$A')} {template('$B:1')}", special_tokens=list(specials.items()))
+    return _with_gguf_chat_fields(HFTokenizer(tok, () if eos is None else (eos,), bos), fields)
+
+
 def spm_from_gguf_fields(fields: dict) -> SPMTokenizer:
     """Build the tokenizer from GGUF metadata (already read into plain Python values)."""
     model = fields.get("tokenizer.ggml.model")
@@ -209,8 +328,7 @@ def spm_from_gguf_fields(fields: dict) -> SPMTokenizer:
         raise ValueError(f"GGUF tokenizer.ggml.model {model!r} is not supported (only 'llama', SentencePiece-style)")
 
     def tid(key):
-        v = fields.get(key)
-        return int(v) if v is not None and 0 <= int(v) < len(fields["tokenizer.ggml.tokens"]) else None
+        return _gguf_token_id(fields, key)
 
     tokens = fields["tokenizer.ggml.tokens"]
     tok = SPMTokenizer(
@@ -221,6 +339,12 @@ def spm_from_gguf_fields(fields: dict) -> SPMTokenizer:
         add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", True)),
         add_eos=bool(fields.get("tokenizer.ggml.add_eos_token", False)),
         add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", True)))
+    return _with_gguf_chat_fields(tok, fields)
+
+
+def _with_gguf_chat_fields(tok: Tokenizer, fields: dict) -> Tokenizer:
+    """The chat template and the BOS/EOS text a GGUF's metadata gives the tokenizer."""
+    tokens = fields["tokenizer.ggml.tokens"]
     template = fields.get("tokenizer.chat_template")
     tok.chat_template = template if isinstance(template, str) and template else None
     if tok.bos_token_id is not None:
@@ -236,7 +360,7 @@ def hf_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...], bos_token_id: 
         return None
     # tokenizer_config.json may name BOS/EOS by text; the ids in config.json are the default
     cfg_path = model_dir / "tokenizer_config.json"
-    tok = HFTokenizer(path, eos_token_ids, bos_token_id)
+    tok = HFTokenizer.from_file(path, eos_token_ids, bos_token_id)
     if cfg_path.exists():
         cfg = json.loads(cfg_path.read_text())
         eos = cfg.get("eos_token")

@@ -149,6 +149,63 @@ def preset_kernels(preset: str, target: str, lowering: str, tuning=None) -> list
     return kernels
 
 
+def preset_of(kernel: OpSpec | Kernel, target: str, lowering: str) -> str | None:
+    """The smallest preset whose `uacompile build` makes this kernel for (target, lowering), or None."""
+    kernel = as_kernel(kernel)
+    for preset in sorted(PRESETS, key=lambda p: (len(PRESETS[p]), p)):
+        if kernel in preset_kernels(preset, target, lowering):
+            return preset
+    return None
+
+
+def build_command(kernel: OpSpec | Kernel, target: str, lowering: str, out_dir: str | Path) -> str | None:
+    """The `uacompile build` command line that writes this kernel into out_dir, or None when no preset holds it."""
+    preset = preset_of(kernel, target, lowering)
+    return None if preset is None else f"uacompile build --preset {preset} --target {target} --out {out_dir}"
+
+
+MANIFEST = "manifest.json"
+
+
+def load_manifest(out_dir: str | Path, target: str, lowering: str) -> dict[str, dict]:
+    """The kernels one lowering of a `uacompile build` folder holds, by symbol: {symbol: manifest entry}.
+
+    A symbol names the same kernel in every lowering of a target (the cache ops' templates and TVM's), so the
+    lookup is per (target, lowering). Each entry's `library` and `source` are resolved inside out_dir, as absolute
+    paths (out_dir/target/lowering/<file>), so a folder built on one machine and carried to another still resolves;
+    a kernel that was not built keeps library None and its `reason`. Reads JSON only (no TVM, no torch).
+    ValueError (one line) where out_dir holds no readable manifest."""
+    folder = Path(out_dir)
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        entries = manifest["kernels"]
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist: make the folder with `uacompile build --target {target} "
+                         f"--out {folder}`") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a uacompile build manifest ({type(e).__name__}: {e})") from None
+    out: dict[str, dict] = {}
+    for entry in entries:
+        if entry.get("target") != target or entry.get("lowering") != lowering:
+            continue
+        entry = dict(entry)
+        for k in ("source", "library"):
+            if isinstance(entry.get(k), str):
+                entry[k] = str(folder.absolute() / target / lowering / _inside(Path(entry[k]), target, lowering))
+        out[entry["symbol"]] = entry
+    return out
+
+
+def _inside(path: Path, target: str, lowering: str) -> Path:
+    """A recorded artefact path relative to its lowering's folder (what follows the last <target>/<lowering>)."""
+    parts = path.parts
+    for i in range(len(parts) - 2, -1, -1):
+        if parts[i:i + 2] == (target, lowering):
+            return Path(*parts[i + 2:])
+    return Path(path.name)
+
+
 def _lowering(target: str, lowering: str):
     mod, fn = LOWERINGS[(target, lowering)].split(":")
     return getattr(importlib.import_module(mod), fn)
@@ -196,7 +253,7 @@ def build_set(preset: str, targets, out_dir: Path, progress: bool = True, tuning
         entries.append(build_one(op, t, low, out_dir / t / low))
     manifest = {"uacompile": _version(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "targets": list(targets), "kernels": entries}
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
 

@@ -467,7 +467,107 @@ class MergeState(OpSpec):
         return ps + [size("num_tokens")]
 
 
-OPS: dict[str, type] = {c.kind: c for c in (PagedAttention, ReshapeAndCache, CopyBlocks, SwapBlocks, MergeState)}
+@dataclass(frozen=True)
+class RMSNorm(OpSpec):
+    """RMSNorm of each token row, optionally with the residual add fused in (vLLM's fused_add_rms_norm).
+
+    Without residual: out = dtype(x / rms(x)) * weight, rms(x) = sqrt(mean(x^2) + eps).
+    With residual: h = dtype(x + residual) is written back to residual (the new residual stream),
+    then out = dtype(h / rms(h)) * weight, the norm taken over the rounded h. The normalised row is
+    rounded to dtype before the weight multiplies it, as transformers and vLLM do. Kernels compute
+    in float32; out may be x itself (each row is read whole before it is written).
+    """
+
+    kind: ClassVar[str] = "rms_norm"
+    hidden_size: int
+    dtype: str = "fp16"  # x, residual, weight, out
+    eps: float = 1e-6
+    residual: bool = False
+
+    def __post_init__(self):
+        _check_positive(self, "hidden_size")
+        _check_choice(self, "dtype", FLOAT_DTYPES)
+        if not (isinstance(self.eps, (int, float)) and self.eps > 0 and math.isfinite(self.eps)):
+            raise IRError(f"{self.kind}.eps", f"must be finite and > 0, got {self.eps!r}")
+        if not isinstance(self.residual, bool):
+            raise IRError(f"{self.kind}.residual", f"must be a bool, got {self.residual!r}")
+
+    def params(self) -> list[TensorSpec]:
+        E = self.hidden_size
+        ps = [TensorSpec("x", self.dtype, ("num_tokens", E))]
+        if self.residual:
+            ps.append(TensorSpec("residual", self.dtype, ("num_tokens", E), "inout"))
+        ps += [TensorSpec("weight", self.dtype, (E,)), TensorSpec("out", self.dtype, ("num_tokens", E), "out")]
+        return ps + [size("num_tokens")]
+
+
+@dataclass(frozen=True)
+class SiluAndMul(OpSpec):
+    """The SwiGLU activation over a merged gate/up projection: out = dtype(silu(x[:, :I])) * x[:, I:].
+
+    x [T, 2I] holds the gate in its first I columns and the up projection in the last I; silu(g) =
+    g / (1 + exp(-g)) is rounded to dtype before the product, as transformers' F.silu(gate) * up.
+    """
+
+    kind: ClassVar[str] = "silu_and_mul"
+    intermediate_size: int
+    dtype: str = "fp16"
+
+    def __post_init__(self):
+        _check_positive(self, "intermediate_size")
+        _check_choice(self, "dtype", FLOAT_DTYPES)
+
+    def params(self) -> list[TensorSpec]:
+        I = self.intermediate_size  # noqa: E741
+        return [TensorSpec("x", self.dtype, ("num_tokens", 2 * I)),
+                TensorSpec("out", self.dtype, ("num_tokens", I), "out"), size("num_tokens")]
+
+
+@dataclass(frozen=True)
+class Rope(OpSpec):
+    """Rotary embedding of x [T, H, D] in place at positions [T]: reshape_and_cache's RoPE on any tensor (q, or k
+    where the cache write does not rotate it).
+
+    inv_freq[i] = 1 / rope_theta^(2i / D) and angle = position * inv_freq[i] in float64; NeoX rotate-half
+    (element i pairs with i + D/2) or, with interleaved, GPT-J pairs (2i, 2i+1); a*cos - b*sin and
+    b*cos + a*sin in float64, rounded once to dtype (reference.rope). freq_factors (D/2 positive
+    numbers, or empty) divide the frequencies: inv_freq[i] / freq_factors[i], which states scaled RoPE
+    (linear: every factor the same; llama3's per-frequency rule; GGUF's rope_freqs).
+    """
+
+    kind: ClassVar[str] = "rope"
+    num_heads: int
+    head_dim: int
+    dtype: str = "fp16"
+    rope_theta: float = 10000.0
+    interleaved: bool = False
+    freq_factors: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        _check_positive(self, "num_heads", "head_dim")
+        try:
+            object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))
+        except (TypeError, ValueError):
+            raise IRError(f"{self.kind}.freq_factors", f"must be a sequence of numbers, got {self.freq_factors!r}") from None
+        if self.freq_factors and (len(self.freq_factors) != self.head_dim // 2
+                                  or not all(f > 0 and math.isfinite(f) for f in self.freq_factors)):
+            raise IRError(f"{self.kind}.freq_factors",
+                          f"must be empty or head_dim / 2 = {self.head_dim // 2} finite numbers > 0, got {self.freq_factors!r}")
+        _check_choice(self, "dtype", FLOAT_DTYPES)
+        if self.head_dim % 2:
+            raise IRError(f"{self.kind}.head_dim", f"must be even, got {self.head_dim}")
+        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise IRError(f"{self.kind}.rope_theta", f"must be finite and > 0, got {self.rope_theta!r}")
+        if not isinstance(self.interleaved, bool):
+            raise IRError(f"{self.kind}.interleaved", f"must be a bool, got {self.interleaved!r}")
+
+    def params(self) -> list[TensorSpec]:
+        return [TensorSpec("x", self.dtype, ("num_tokens", self.num_heads, self.head_dim), "inout"),
+                TensorSpec("positions", "int64", ("num_tokens",)), size("num_tokens")]
+
+
+OPS: dict[str, type] = {c.kind: c for c in (PagedAttention, ReshapeAndCache, CopyBlocks, SwapBlocks, MergeState,
+                                            RMSNorm, SiluAndMul, Rope)}
 
 
 def op_from_dict(d: dict) -> OpSpec:
@@ -508,7 +608,9 @@ def reference_doc() -> str:
     full = [PagedAttention(32, 8, 128, 16, "bf16", "int8", alibi=True, return_lse=True),
             (pa, dict(num_splits=4)), (pa, dict(num_splits=4, fused_merge=True)), (pa, dict(item_queue=True)),
             ReshapeAndCache(8, 128, 16, "bf16", "int8", rope=True), CopyBlocks(8, 128, 16, "int8"),
-            SwapBlocks(8, 128, 16, "int8"), MergeState(32, 128, 4, "bf16", return_lse=True)]
+            SwapBlocks(8, 128, 16, "int8"), MergeState(32, 128, 4, "bf16", return_lse=True),
+            RMSNorm(4096, "bf16", 1e-6), RMSNorm(4096, "bf16", 1e-6, residual=True), SiluAndMul(12288, "bf16"),
+            Rope(32, 128, "bf16", 1e6)]
     parts = ["# Ops (generated by `uacompile ops --markdown`; do not edit)", ""]
     for cls in OPS.values():
         doc = "\n".join(line.strip() for line in (cls.__doc__ or "").strip().splitlines())
@@ -539,6 +641,7 @@ def describe(op: OpSpec | Kernel) -> str:
 __all__ = [
     "DType", "DTYPES", "FLOAT_DTYPES", "KV_DTYPES", "QUANT_DTYPES", "QMAX", "TensorSpec", "OpSpec", "Kernel",
     "as_kernel", "check_splits",
-    "PagedAttention", "ReshapeAndCache", "CopyBlocks", "SwapBlocks", "MergeState", "OPS",
-    "op_from_dict", "c_signature", "cffi_cdef", "describe", "itemsize", "numpy_dtype", "torch_dtype", "from_torch",
+    "PagedAttention", "ReshapeAndCache", "CopyBlocks", "SwapBlocks", "MergeState", "RMSNorm", "SiluAndMul", "Rope",
+    "OPS", "op_from_dict", "c_signature", "cffi_cdef", "describe", "itemsize", "numpy_dtype", "torch_dtype",
+    "from_torch",
 ]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ir import QMAX, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, numpy_dtype
+from .ir import (QMAX, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, RMSNorm, Rope, SiluAndMul, SwapBlocks,
+                 numpy_dtype)
 
 
 def f64(x) -> np.ndarray:
@@ -34,11 +35,17 @@ def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- RoPE
-def rope(x: np.ndarray, positions: np.ndarray, theta: float, interleaved: bool = False) -> np.ndarray:
+def rope_inv_freq(theta: float, head_dim: int, freq_factors=()) -> np.ndarray:
+    """RoPE's float64 frequencies [D/2]: 1 / theta^(2i / D), divided by freq_factors[i] when given."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    return inv_freq / np.asarray(freq_factors, np.float64) if len(freq_factors) else inv_freq
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, interleaved: bool = False, freq_factors=()) -> np.ndarray:
     """Rotary embedding of x [T, H, D] at positions [T] (NeoX rotate-half, or GPT-J pairs)."""
     x = f64(x)
     D = x.shape[-1]
-    inv_freq = 1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)  # [D/2]
+    inv_freq = rope_inv_freq(theta, D, freq_factors)  # [D/2]
     ang = f64(positions)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     if interleaved:
@@ -161,6 +168,35 @@ def swap_blocks(op: SwapBlocks, src, dst, mapping, src_scales=None, dst_scales=N
         dst_scales[:, :, m[:, 1]] = src_scales[:, :, m[:, 0]]
 
 
+# ---------------------------------------------------------------- layer ops
+def _round(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 -> dtype -> float64 (bf16 through float32, as ml_dtypes rounds and common.cuh's round_double)."""
+    return f64(np.asarray(x, np.float64).astype(numpy_dtype(dtype)))
+
+
+def rms_norm(op: RMSNorm, x, weight, residual=None):
+    """Returns out [T, E] float64; with op.residual, writes h = dtype(x + residual) into residual in place."""
+    h = f64(x)
+    if op.residual:
+        h = _round(h + f64(residual), op.dtype)
+        residual[...] = h.astype(residual.dtype)
+    normed = h / np.sqrt((h * h).mean(axis=-1, keepdims=True) + op.eps)
+    return _round(normed, op.dtype) * f64(weight)
+
+
+def silu_and_mul(op: SiluAndMul, x):
+    """Returns out [T, I] float64 = dtype(silu(gate)) * up."""
+    x = f64(x)
+    g, u = x[:, :op.intermediate_size], x[:, op.intermediate_size:]
+    return _round(g / (1.0 + np.exp(-g)), op.dtype) * u
+
+
+def rope_op(op: Rope, x, positions):
+    """In place: x = dtype(rope(x, positions)) (reference.rope's math); returns x."""
+    x[...] = rope(x, positions, op.rope_theta, op.interleaved, op.freq_factors).astype(x.dtype)
+    return x
+
+
 def run(op, **arrays):
     """Dispatch by kind with keyword arrays named as in op.params(); op may be an ir.Kernel, whose config's
     split fields (signature()) select partials or the merged output."""
@@ -173,5 +209,6 @@ def run(op, **arrays):
             extra = dict(num_splits=sig.get("num_splits", 1), fused_merge=sig.get("fused_merge", False))
         op = op.op
     fn = {"paged_attention": paged_attention, "merge_state": merge_state, "reshape_and_cache": reshape_and_cache,
-          "copy_blocks": copy_blocks, "swap_blocks": swap_blocks}[op.kind]
+          "copy_blocks": copy_blocks, "swap_blocks": swap_blocks, "rms_norm": rms_norm, "silu_and_mul": silu_and_mul,
+          "rope": rope_op}[op.kind]
     return fn(op, **arrays, **extra)

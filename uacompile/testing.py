@@ -12,7 +12,8 @@ import math
 import numpy as np
 
 from . import reference
-from .ir import QUANT_DTYPES, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, SwapBlocks, numpy_dtype
+from .ir import (QUANT_DTYPES, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, RMSNorm, Rope, SiluAndMul,
+                 SwapBlocks, numpy_dtype)
 
 
 def random_floats(rng, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
@@ -129,6 +130,43 @@ def merge_state_inputs(op: MergeState, rng, num_tokens: int, empty_fraction: flo
     o = rng.standard_normal((S, num_tokens, H, D)).astype(np.float32)
     o[empty] = 0
     return dict(o_partial=o, lse_partial=lse, num_tokens=num_tokens)
+
+
+def rms_norm_inputs(op: RMSNorm, rng, num_tokens: int) -> dict:
+    """Rows of varied scale (0.01 to 100: the norm must not depend on it); weights around 1; a residual of
+    the same scale as x when op.residual."""
+    E = op.hidden_size
+    row_scale = np.exp(rng.uniform(np.log(0.01), np.log(100.0), size=(num_tokens, 1)))
+    d = dict(x=random_floats(rng, (num_tokens, E), "fp32") * row_scale,
+             weight=random_floats(rng, E, "fp32", 0.3) + 1, num_tokens=num_tokens)
+    if op.residual:
+        d["residual"] = random_floats(rng, (num_tokens, E), "fp32") * row_scale
+    return {k: v.astype(np.float32).astype(numpy_dtype(op.dtype)) if isinstance(v, np.ndarray) else v
+            for k, v in d.items()}
+
+
+def silu_and_mul_inputs(op: SiluAndMul, rng, num_tokens: int) -> dict:
+    """Gates over [-12, 12] (silu's tails and its minimum) and unit-variance up projections."""
+    I = op.intermediate_size  # noqa: E741
+    gate = rng.uniform(-12, 12, size=(num_tokens, I))
+    up = rng.standard_normal((num_tokens, I))
+    x = np.concatenate([gate, up], axis=1).astype(np.float32).astype(numpy_dtype(op.dtype))
+    return dict(x=x, num_tokens=num_tokens)
+
+
+def rope_inputs(op: Rope, rng, num_tokens: int, max_position: int = 1 << 17) -> dict:
+    """Positions up to max_position (long-context angles, where float32 angles would go wrong), 0 included."""
+    positions = rng.integers(0, max_position, size=num_tokens).astype(np.int64)
+    positions[0] = 0
+    return dict(x=random_floats(rng, (num_tokens, op.num_heads, op.head_dim), op.dtype), positions=positions,
+                num_tokens=num_tokens)
+
+
+def layer_tolerance(dtype: str) -> float:
+    """Relative tolerance of the layer ops (rms_norm, silu_and_mul) against the float64 reference: a kernel in
+    float32 may round an intermediate (the normalised row, silu) the other way, one ulp of dtype, before the
+    last product."""
+    return {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.6e-2}[dtype]
 
 
 def tolerance(dtype: str, kv_dtype: str | None = None) -> float:

@@ -5,6 +5,7 @@
     kern(**tensors)                    # names as in op.params(); sizes inferred from shapes
     api.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)       # op inferred from tensors
     api.copy_blocks(kv, mapping); api.swap_blocks(src, dst, mapping); out = api.merge_state(o, lse)
+    out = api.rms_norm(x, w, eps, residual=r); out = api.silu_and_mul(gate_up); api.rope(q, positions, theta)
 
 Every call checks names, dtypes, shapes (symbolic dims bound consistently), contiguity,
 alignment and devices against op.params(), and raises TypeError / ValueError naming the
@@ -23,6 +24,8 @@ from .loader import load
 HOST_OK = {"swap_blocks": {"src", "dst", "src_scales", "dst_scales", "mapping"}}
 INDEX_DTYPES = ("int32", "int64")
 ALIGN = 16  # bytes: data tensors are read with 16-byte vectors
+# the current stream's handle as an int, without making a torch.cuda.Stream a call (as Triton's launcher reads it)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _error_name(code: int) -> str:
@@ -83,7 +86,8 @@ class CudaKernel:
     def launch(self, args: list, device: torch.device) -> None:
         """Run the launcher on torch's current stream of device with C arguments from bind()."""
         if device.index == torch.cuda.current_device():  # the launcher runs on the current device
-            rc = self.fn(*args, self.ffi.cast("void*", torch.cuda.current_stream().cuda_stream))
+            stream = _raw_stream(device.index) if _raw_stream else torch.cuda.current_stream().cuda_stream
+            rc = self.fn(*args, self.ffi.cast("void*", stream))
         else:
             with torch.cuda.device(device):
                 rc = self.fn(*args, self.ffi.cast("void*", torch.cuda.current_stream(device).cuda_stream))
@@ -97,27 +101,26 @@ class CudaKernel:
 
 class Launcher:
     """A CudaKernel's call with some arguments bound once: made from one full check of every argument, each call
-    checks only the varying tensors against the dtype, shape, device and layout they had then (anything else is
-    re-checked in full, so a mismatch raises the same error a plain call would) and swaps in their pointers.
-    The fixed tensors must stay alive and keep their data where they are (a plan's step inputs and workspaces)."""
+    takes the varying tensors (positionally, in the order `varying` named them) and checks only them against the
+    dtype, shape, device and layout they had then (anything else is re-checked in full, so a mismatch raises the
+    same error a plain call would) before swapping in their pointers. The fixed tensors must stay alive and keep
+    their data where they are (a plan's step inputs and workspaces)."""
 
     def __init__(self, kernel: CudaKernel, fixed: dict, varying: dict):
-        self.kernel, self.fixed = kernel, dict(fixed)
+        self.kernel, self.fixed, self.names = kernel, dict(fixed), tuple(varying)
         self.args, self.device = kernel.bind({**fixed, **varying})
         order = [p.name for p in kernel.tensor_specs]
-        self.slots = tuple((name, order.index(name), t.dtype, tuple(t.shape)) for name, t in varying.items()
-                           if t is not None)
-        self.cast = kernel.ffi.cast
+        self.slots = tuple((order.index(name), t.dtype, tuple(t.shape)) for name, t in varying.items())
+        self.cast, self.void_p = kernel.ffi.cast, kernel.ffi.typeof("void*")
 
-    def __call__(self, **varying) -> None:
-        args, cast, device = list(self.args), self.cast, self.device
-        for name, i, dtype, shape in self.slots:
-            t = varying[name]
+    def __call__(self, *tensors) -> None:
+        args, cast, void_p, device = list(self.args), self.cast, self.void_p, self.device
+        for t, (i, dtype, shape) in zip(tensors, self.slots):
             if (t.dtype is not dtype or t.shape != shape or t.device != device or not t.is_contiguous()
-                    or t.data_ptr() % ALIGN):
-                args, _ = self.kernel.bind({**self.fixed, **varying})  # the full check's error, or its arguments
+                    or t.data_ptr() % ALIGN):  # the full check: its error, or the arguments of what was given
+                args, _ = self.kernel.bind({**self.fixed, **dict(zip(self.names, tensors))})
                 break
-            args[i] = cast("void*", t.data_ptr())
+            args[i] = cast(void_p, t.data_ptr())
         self.kernel.launch(args, device)
 
 
@@ -236,6 +239,37 @@ def merge_state(o_partial, lse_partial, out=None, lse=None, out_dtype: torch.dty
     extra = {"lse": lse} if lse is not None else {}
     kernel(op)(o_partial=o_partial, lse_partial=lse_partial, out=out, **extra)
     return (out, lse) if lse is not None else out
+
+
+def rms_norm(x, weight, eps: float, residual=None, out=None):
+    """RMSNorm of the rows of x [T, E] (ir.RMSNorm): returns out (allocated when None; out may be x). With
+    residual [T, E], residual += x in place first and the norm is of that sum (vLLM's fused_add_rms_norm)."""
+    _need_dims("x", x, 2, "[num_tokens, hidden_size]")
+    out = torch.empty_like(x) if out is None else out
+    op = ir.RMSNorm(hidden_size=x.shape[1], dtype=_kv_dtype("x", x), eps=float(eps), residual=residual is not None)
+    extra = {"residual": residual} if residual is not None else {}
+    kernel(op)(x=x, weight=weight, out=out, **extra)
+    return out
+
+
+def silu_and_mul(x, out=None):
+    """silu(x[:, :I]) * x[:, I:] of a merged gate/up projection x [T, 2I] (ir.SiluAndMul): returns out [T, I]."""
+    _need_dims("x", x, 2, "[num_tokens, 2 * intermediate_size]")
+    if x.shape[1] % 2:
+        raise ValueError(f"x: the last dim holds gate and up halves and must be even, got shape {tuple(x.shape)}")
+    inter = x.shape[1] // 2
+    out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device) if out is None else out
+    kernel(ir.SiluAndMul(intermediate_size=inter, dtype=_kv_dtype("x", x)))(x=x, out=out)
+    return out
+
+
+def rope(x, positions, rope_theta: float, interleaved: bool = False):
+    """Rotary embedding of x [T, H, D] in place at positions [T] int64 (ir.Rope); returns x."""
+    _need_dims("x", x, 3, "[num_tokens, num_heads, head_dim]")
+    op = ir.Rope(num_heads=x.shape[1], head_dim=x.shape[2], dtype=_kv_dtype("x", x), rope_theta=float(rope_theta),
+                 interleaved=bool(interleaved))
+    kernel(op)(x=x, positions=positions)
+    return x
 
 
 def capture_graph(fns, calls: int = 1, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:

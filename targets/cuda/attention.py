@@ -48,7 +48,7 @@ def run(p: Plan, q, k_cache, v_cache, token_seq, page_table, token_kv_len, *, ou
         if op.alibi:
             fixed["alibi_slopes"] = alibi_slopes
         launch = p.launchers["run"] = p.kernel.launcher(fixed, layer)
-    launch(**layer)
+    launch(*layer.values())
     if p.merge is not None:  # split partials, then merge_state
         p.merge(o_partial=p.workspace["o_partial"], lse_partial=p.workspace["lse_partial"], **final)
     return (out, lse) if op.return_lse else out

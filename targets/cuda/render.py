@@ -111,12 +111,7 @@ def _reshape_and_cache(kernel: ir.Kernel, arch: str = "sm_90"):
     quant, amax = design.get("quant", "classic"), design.get("amax", "bits")
     if quant not in ("classic", "lean") or amax not in ("bits", "packed") or (amax == "packed" and quant != "lean"):
         raise ValueError(f"reshape_and_cache design: quant={quant} amax={amax} (packed needs lean)")
-    inv_freq = []
-    if op.rope:  # the reference's float64 inv_freq, same expression, printed exactly (repr round-trips)
-        import numpy as np
-
-        D = op.head_dim
-        inv_freq = [repr(float(f)) for f in 1.0 / op.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D)]
+    inv_freq = _inv_freq(op.rope_theta, op.head_dim) if op.rope else []
     return "cuda/reshape_and_cache.cu.j2", dict(
         Hkv=Hkv, D=op.head_dim, P=op.page_size, in_ctype=ir.DTYPES[op.dtype].c, cache_ctype=ir.DTYPES[op.kv_dtype].c,
         vec=vec, group=group, rows=rows, steps=steps, stages=stages, threads=int(design.get("threads", 256)),
@@ -180,12 +175,58 @@ def _paged_attention(kernel: ir.Kernel, arch: str = "sm_90", shape: int = 0) -> 
         smem_prefill=lay.smem_prefill, code_shape=shape)
 
 
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _inv_freq(theta: float, head_dim: int, freq_factors=()) -> list[str]:
+    """The reference's float64 inv_freq (reference.rope_inv_freq), printed exactly (repr round-trips)."""
+    from uacompile.reference import rope_inv_freq
+
+    return [repr(float(f)) for f in rope_inv_freq(theta, head_dim, freq_factors)]
+
+
+def _rms_norm(op: ir.RMSNorm, arch: str):
+    vec = vector_width(op.hidden_size, ir.itemsize(op.dtype))
+    chunks = op.hidden_size // vec
+    # a row in registers, at most 4 vectors a thread until the block is full
+    threads = min(1024, max(32, _round_up(-(-chunks // 4), 32)))
+    return "cuda/rms_norm.cu.j2", dict(E=op.hidden_size, vec=vec, threads=threads, residual=op.residual,
+                                       eps_c=_c_float(op.eps), c_type=ir.DTYPES[op.dtype].c)
+
+
+def _silu_and_mul(op: ir.SiluAndMul, arch: str):
+    vec = vector_width(op.intermediate_size, ir.itemsize(op.dtype))
+    chunks = op.intermediate_size // vec
+    return "cuda/silu_and_mul.cu.j2", dict(I=op.intermediate_size, vec=vec, threads=min(512, _round_up(chunks, 32)),
+                                           c_type=ir.DTYPES[op.dtype].c)
+
+
+def _rope(op: ir.Rope, arch: str):
+    size = ir.itemsize(op.dtype)
+    if op.interleaved:  # pairs (2i, 2i+1) inside one vector
+        vec = max(2, vector_width(op.head_dim, size))
+        chunks = op.head_dim // vec
+    else:  # the partner vector D/2 further must start a vector
+        vec = vector_width(op.head_dim // 2, size)
+        chunks = op.head_dim // 2 // vec
+    if chunks > 1024:
+        raise ir.IRError("rope.head_dim", f"the CUDA template covers a head in one block (<= 1024 threads), got {op.head_dim}")
+    return "cuda/rope.cu.j2", dict(H=op.num_heads, D=op.head_dim, vec=vec, interleaved=op.interleaved,
+                                   c_type=ir.DTYPES[op.dtype].c,
+                                   heads_per_pass=max(1, min(op.num_heads, 256 // chunks)),
+                                   inv_freq=_inv_freq(op.rope_theta, op.head_dim, op.freq_factors))
+
+
 CONTEXT_BUILDERS = {
     "reshape_and_cache": _reshape_and_cache,
     "copy_blocks": lambda op, arch: ("cuda/copy_blocks.cu.j2", _page_copy(op)),
     "swap_blocks": lambda op, arch: ("cuda/swap_blocks.cu.j2", _page_copy(op)),
     "merge_state": _merge_state,
     "paged_attention": _paged_attention,
+    "rms_norm": _rms_norm,
+    "silu_and_mul": _silu_and_mul,
+    "rope": _rope,
 }
 
 

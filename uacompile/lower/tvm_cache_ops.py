@@ -8,20 +8,9 @@ from __future__ import annotations
 
 from ..ir import DTYPES, QMAX, CopyBlocks, MergeState, ReshapeAndCache, SwapBlocks, as_kernel
 from .config import schedule_of
-from .tvm_tir import ALIGN, lanes_for, merge_row_macro, quantize_f32
+from .tvm_tir import ALIGN, FULL, lanes_for, loops, merge_row_macro, quantize_f32, rope_cos_sin
 
-FULL = 0xFFFFFFFF
 COPY_THREADS = 128
-
-
-def _loops(gpu: bool):
-    """(grid x, grid y, lanes) loop constructors."""
-    from tvm.script import tirx as T
-
-    if gpu:
-        return (lambda e: T.thread_binding(e, thread="blockIdx.x"), lambda e: T.thread_binding(e, thread="blockIdx.y"),
-                lambda e: T.thread_binding(e, thread="threadIdx.x"))
-    return T.parallel, T.serial, T.serial
 
 
 def reshape_and_cache(kernel, gpu: bool):
@@ -38,7 +27,7 @@ def reshape_and_cache(kernel, gpu: bool):
     VEC, NSH = D // TX, TX.bit_length() - 1
     quant, rope = op.quantized, op.rope
     qmax = QMAX.get(op.kv_dtype, 1.0)
-    grid_x, grid_y, lanes = _loops(gpu)
+    grid_x, grid_y, lanes = loops(gpu)
 
     def element(src, t, h, d, pos, roped: bool):
         """k or v element as float32; RoPE in float64 (as the reference), rounded to the input dtype."""
@@ -51,10 +40,7 @@ def reshape_and_cache(kernel, gpu: bool):
         else:
             i = d % (D // 2)
             x_a, x_b, first = src[t, h, i], src[t, h, i + D // 2], d < D // 2
-        expo = tirx.Cast("float64", 2 * i) / tirx.const(float(D), "float64")
-        inv_freq = tirx.const(1.0, "float64") / tirx.pow(tirx.const(op.rope_theta, "float64"), expo)
-        ang = tirx.Cast("float64", pos) * inv_freq
-        c, s = tirx.cos(ang), tirx.sin(ang)
+        c, s = rope_cos_sin(i, pos, op.rope_theta, D)
         val = tirx.Select(first, f64(x_a) * c - f64(x_b) * s, f64(x_b) * c + f64(x_a) * s)
         return tirx.Cast("float32", tirx.Cast(in_dt, val))
 
@@ -117,7 +103,7 @@ def _page_copy(op, gpu: bool, swap: bool):
     kvdt, quant = DTYPES[op.kv_dtype].tir, op.quantized
     E, ES = P * Hkv * D, P * Hkv  # elements of one page of KV / of scales
     NT = COPY_THREADS if gpu else 1
-    grid_x, grid_y, lanes = _loops(gpu)
+    grid_x, grid_y, lanes = loops(gpu)
 
     @T.macro
     def copy_page(src, dst, src_page, dst_page, lc, n_src, n_dst, tx, n_elem):
@@ -177,7 +163,7 @@ def merge_state(op: MergeState, gpu: bool):
     H, D, S = op.num_heads, op.head_dim, op.num_splits
     TX = lanes_for(D) if gpu else 1
     VEC = D // TX
-    grid_x, grid_y, lanes = _loops(gpu)
+    grid_x, grid_y, lanes = loops(gpu)
     merge_row = merge_row_macro(S, op.out_dtype, op.return_lse)
 
     @T.prim_func

@@ -13,6 +13,21 @@ from ..ir import DTYPES
 ALIGN = 1
 
 
+FULL = 0xFFFFFFFF  # every lane of a warp (shuffle masks)
+
+
+def loops(gpu: bool):
+    """(grid x, grid y, lanes) loop constructors: blockIdx / threadIdx bindings on CUDA; on the CPU a parallel
+    loop, a serial one, and lanes that collapse to one (callers pick TX = 1)."""
+    from tvm.script import tirx as T
+
+    if gpu:
+        return (lambda e: T.thread_binding(e, thread="blockIdx.x"), lambda e: T.thread_binding(e, thread="blockIdx.y"),
+                lambda e: T.thread_binding(e, thread="threadIdx.x"))
+    return T.parallel, T.serial, T.serial
+
+
+
 def lanes_for(head_dim: int, max_lanes: int = 32) -> int:
     """Threads that share one row of head_dim on the GPU: the largest power of two <= 32 dividing it."""
     tx = 1
@@ -106,3 +121,19 @@ def merge_row_macro(num_splits: int, out_dtype: str, with_lse: bool):
             lse[t, h] = T.Select(st[1] > T.float32(0), st[0] + T.log(st[1]), NEG)
 
     return merge_row
+
+
+def rope_cos_sin(i, pos, theta: float, head_dim: int, freq_factors=()):
+    """cos and sin (float64) of RoPE pair i at position pos: angle = pos * inv_freq[i], inv_freq[i] =
+    1 / theta^(2i / D) in float64 (divided by freq_factors[i] when given), reference.rope_inv_freq's expression."""
+    from tvm import tirx
+
+    expo = tirx.Cast("float64", 2 * i) / tirx.const(float(head_dim), "float64")
+    inv_freq = tirx.const(1.0, "float64") / tirx.pow(tirx.const(theta, "float64"), expo)
+    if freq_factors:  # the factor of pair i, picked from constants
+        factor = tirx.const(freq_factors[-1], "float64")
+        for j in range(len(freq_factors) - 2, -1, -1):
+            factor = tirx.Select(i == j, tirx.const(freq_factors[j], "float64"), factor)
+        inv_freq = inv_freq / factor
+    ang = tirx.Cast("float64", pos) * inv_freq
+    return tirx.cos(ang), tirx.sin(ang)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Build the tiny preset's CUDA kernels (stories260K: TVM-CUDA .so/.cu for sm_90, and the templates' where they
+# apply) with their manifest.json into .carry/tvm-cuda (git-ignored), on a machine with TVM and nvcc, for a GPU
+# machine without TVM: the `run` tool carries ".carry/tvm-cuda"; there the runtime loads the kernels by symbol
+# (LLM(..., device="cuda", dtype="float32", kernel_dir=".carry/tvm-cuda")), and bench/run_device.sh points the GPU
+# test tests/runtime/test_tvm_cuda_backend_gpu.py at it (UA_TVM_CUDA_KERNELS).
+#   bash bench/prebuild_tvm_cuda.sh [OUT]       # OUT defaults to .carry/tvm-cuda
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-.carry/tvm-cuda}
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+rm -rf "$OUT"
+"$PY" -m uacompile.cli build --preset tiny --target cuda --out "$OUT" --quiet
+"$PY" - "$OUT" <<'PY'
+import sys
+from uacompile.build import load_manifest
+built = {s: e for s, e in load_manifest(sys.argv[1], "cuda", "tvm").items() if e["library"]}
+assert built, f"no TVM-CUDA library in {sys.argv[1]} (is nvcc on PATH?)"
+print(f"{len(built)} TVM-CUDA kernels in {sys.argv[1]}: {', '.join(sorted(built))}")
+PY

@@ -1,0 +1,92 @@
+"""CPU: the layer-op templates (rms_norm, silu_and_mul, rope) render with the IR launcher and compile with
+nvcc for sm_80 and sm_90, with no register spills; the friendly calls reject bad tensors before any device
+work."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from uacompile import ir
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+N, A, P = ir.RMSNorm, ir.SiluAndMul, ir.Rope
+# model shapes (Llama / Qwen3-8B bf16, stories260K fp32) and edge cases: one vector a row, odd sizes
+# (1-element vectors), a row wider than 4 vectors a thread at 1024 threads
+LAYER_OP_VARIANTS = [
+    N(4096, "bf16", 1e-6), N(4096, "bf16", 1e-6, residual=True), N(64, "fp16", 1e-5, True), N(128, "fp16", 1e-5),
+    N(8, "fp32", 1e-5, True), N(27, "fp16", 1e-6, True), N(32768, "fp32", 1e-6, True),
+    A(12288, "bf16"), A(96, "fp16"), A(172, "fp32"), A(5, "bf16"),
+    P(32, 128, "bf16", 1e6), P(8, 128, "bf16", 1e6), P(4, 16, "fp16"), P(2, 64, "fp16", interleaved=True),
+    P(6, 8, "fp32", interleaved=True), P(6, 8, "fp32"), P(3, 6, "bf16", 5e5), P(8, 256, "fp32", 1e4, True),
+    P(8, 16, "bf16", 5e5, freq_factors=(1, 1, 1.5, 2.5, 8, 8, 8, 8)),  # llama3-style scaled frequencies
+]
+
+
+def test_render_has_the_ir_launcher():
+    from uacompile.targets.cuda.render import render_op
+
+    for op in LAYER_OP_VARIANTS:
+        src = render_op(op)
+        assert f'extern "C" {ir.c_signature(op)}' in src, op
+        assert re.search(r"namespace\s+" + op.symbol() + "_impl", src)
+        assert "{{" not in src and "{%" not in src
+
+
+def test_rope_template_holds_the_reference_frequencies():
+    import numpy as np
+
+    from uacompile.targets.cuda.render import render_op
+
+    op = P(4, 16, "fp16", 12345.0)
+    src = render_op(op)
+    table = re.search(r"INV_FREQ\[D / 2\] = \{ (.*) \};", src).group(1)
+    got = np.array([float(v) for v in table.split(", ")])
+    want = 1.0 / 12345.0 ** (np.arange(0, 16, 2, dtype=np.float64) / 16)
+    assert (got == want).all()  # exact: the same float64 expression as reference.rope
+    scaled = render_op(P(4, 16, "fp16", 12345.0, freq_factors=(1, 2, 3, 4, 5, 6, 7, 8)))
+    table = re.search(r"INV_FREQ\[D / 2\] = \{ (.*) \};", scaled).group(1)
+    assert [float(v) for v in table.split(", ")] == list(want / np.arange(1, 9))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_layer_ops_compile_and_export_launchers(arch):
+    from uacompile.targets.cuda.build import build
+    from uacompile.targets.cuda.loader import load_library
+
+    res = build(LAYER_OP_VARIANTS, arch)
+    assert res.path.exists() and res.arch == arch
+    lib = load_library(res.path, LAYER_OP_VARIANTS, res)
+    for op in LAYER_OP_VARIANTS:
+        assert lib.function(op) is not None
+    assert build(LAYER_OP_VARIANTS, arch).hit
+
+
+def test_layer_ops_do_not_spill(tmp_path):
+    """ptxas -v on sm_90: no kernel of the set spills registers (RoPE's float64 angles are the tightest)."""
+    from uacompile.targets.cuda.render import render_op
+
+    src = tmp_path / "layer.cu"
+    src.write_text("\n".join(render_op(op, "sm_90") for op in LAYER_OP_VARIANTS))
+    proc = subprocess.run(["nvcc", "-O3", "-std=c++17", "-arch=sm_90", "-Xptxas", "-v", "-c", str(src),
+                           "-o", str(tmp_path / "layer.o")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
+    assert spills and max(spills) == 0, proc.stderr
+
+
+def test_friendly_calls_reject_bad_tensors():
+    torch = pytest.importorskip("torch")
+    from uacompile.targets.cuda import api
+
+    with pytest.raises(ValueError, match=r"x: expected 2 dims"):
+        api.rms_norm(torch.zeros(4, 2, 8), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="must be even"):
+        api.silu_and_mul(torch.zeros(4, 7))
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        api.rope(torch.zeros(4, 2, 8, dtype=torch.int32), torch.zeros(4, dtype=torch.int64), 1e4)
+    with pytest.raises(ir.IRError, match="rope.head_dim"):
+        api.rope(torch.zeros(4, 2, 7), torch.zeros(4, dtype=torch.int64), 1e4)
