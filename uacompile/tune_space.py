@@ -44,10 +44,13 @@ def check_shape(shape: Shape) -> Shape:
 
 
 def ordered(default, candidates, seed: str) -> list:
-    """default first, then the other candidates in an order fixed by seed (so --trials N takes the same N)."""
+    """default first, then the other candidates nearest it first (fewest fields changed), in an order fixed by
+    seed within each distance: --trials N tries every one-field change of the rule before any two-field one."""
+    rng = random.Random(zlib.crc32(seed.encode()))
     rest = sorted({c for c in candidates if c != default}, key=repr)
-    random.Random(zlib.crc32(seed.encode())).shuffle(rest)
-    return [default, *rest]
+    rng.shuffle(rest)
+    base = dataclasses.asdict(default)
+    return [default, *sorted(rest, key=lambda c: sum(v != base[k] for k, v in dataclasses.asdict(c).items()))]
 
 
 def product(axes: dict, base):
