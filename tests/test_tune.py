@@ -147,6 +147,8 @@ def test_a_budget_bounds_the_candidates_and_rounds(tmp_path):
 def test_cpu_space_candidates_are_valid_and_default_first():
     cands = CPUSpace().candidates(OP, SHAPES[0])
     assert cands[0] == TVMConfig() and len(cands) == len(set(cands)) > 20
+    changed = [sum(a != b for a, b in zip(vars(c).values(), vars(TVMConfig()).values())) for c in cands]
+    assert changed == sorted(changed) and changed[1] == 1  # nearest the rule first
     for c in cands:
         c.check(OP)
     rc = CPUSpace().candidates(ir.ReshapeAndCache(4, 8, 16, "fp32", "fp32"), SHAPES[0])
