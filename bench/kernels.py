@@ -11,7 +11,8 @@ copies; swap with one pinned cudaMemcpy of the same bytes and with per-block cop
 swap_blocks does one memcpy per block). Build rows: nvcc cold build and cached load (a
 copy of the cache at a new path: key + render + dlopen) per variant. Attention rows come
 from bench/attention_bench.py (`attention_rows`: ours, torch SDPA and FlashInfer timed
-interleaved per shape); plan-overhead rows from bench/plan_overhead.py (the CPU cost of one layer's
+interleaved per shape); tvm-cuda rows from bench/tvm_cuda_bench.py (TVM's CUDA attention, default and tuned
+schedule, beside the Jinja kernel); plan-overhead rows from bench/plan_overhead.py (the CPU cost of one layer's
 attention.run() call from Python, and of paged_attention(), mean us over 1000 eager calls; target <= 15 us).
 The report is rewritten after every section, so a run cut short keeps its rows.
 """
@@ -36,6 +37,7 @@ from uacompile import ir
 sys.path.insert(0, str(Path(__file__).parent))
 import attention_bench  # noqa: E402
 import plan_overhead  # noqa: E402
+import tvm_cuda_bench  # noqa: E402
 from timing import copy_ceiling_gbps, time_eager, time_graphs  # noqa: E402
 from attention_bench import spin_up_clocks  # noqa: E402
 
@@ -276,13 +278,18 @@ def attention_rows(ctx: BenchContext) -> list[dict]:
     return attention_bench.attention_rows(ctx)
 
 
+def tvm_cuda_rows(ctx: BenchContext) -> list[dict]:
+    """TVM's CUDA attention (default and tuned schedule) beside the Jinja kernel per shape (bench/tvm_cuda_bench.py)."""
+    return tvm_cuda_bench.tvm_cuda_rows(ctx)
+
+
 def overhead_rows(ctx: BenchContext) -> list[dict]:
     """The CPU cost of attention.run(plan, ...) and paged_attention() a call (bench/plan_overhead.py)."""
     return plan_overhead.overhead_rows(ctx)
 
 
 # attention first: after the cache section its first decode group read ~10% slow (SDPA beside it too)
-SECTIONS = {"attention": attention_rows, "overhead": overhead_rows,
+SECTIONS = {"attention": attention_rows, "tvm-cuda": tvm_cuda_rows, "overhead": overhead_rows,
             "cache": lambda c: reshape_rows(c) + copy_blocks_rows(c), "swap": swap_rows, "build": build_rows}
 
 

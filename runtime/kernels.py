@@ -205,17 +205,40 @@ class ReferenceBackend(KernelBackend):
 
 
 class TVMCPUBackend(KernelBackend):
-    """TVM-LLVM kernels (uacompile.lower.tvm_build.cpu_kernel), built once per op and cached on disk."""
+    """TVM-LLVM kernels (uacompile.lower.tvm_build.cpu_kernel), built once per op and cached on disk. A step's
+    attention runs the tuning database's TVMConfig for the step's bucket (`uacompile tune --target cpu`; tuned:
+    a tunedb.Tuned, None: the default database, False: none), else the default schedule."""
 
     name = "tvm-cpu"
 
-    def __init__(self, ops: KernelOps):
+    def __init__(self, ops: KernelOps, tuned=None):
         super().__init__(ops)
         try:
             from uacompile.lower.tvm_build import cpu_kernel
         except ImportError as e:
             raise NotImplementedError(f"tvm-cpu backend: uacompile.lower.tvm_build is not available ({e})") from None
+        self.cpu_kernel = cpu_kernel
         self.fns = {op.kind: cpu_kernel(op) for op in (ops.attention, ops.cache_write, ops.copy, ops.swap)}
+        if tuned is None:
+            from uacompile.tunedb import default_tuned
+
+            tuned = default_tuned("cpu")
+        self.tuned = tuned or None
+
+    def plan_step(self, num_tokens: int, num_seqs: int, max_kv_len: int):
+        """The step's attention kernel: the tuned one of its bucket, or None (the default kernel)."""
+        if self.tuned is None:
+            return None
+        from uacompile.lower.config import TVMConfig
+
+        config = self.tuned.config(self.ops.attention, num_tokens, num_seqs, max_kv_len)
+        if not isinstance(config, TVMConfig) or config.num_splits > 1:
+            return None
+        return self.cpu_kernel(ir.Kernel(self.ops.attention, config))  # loaded once per process
+
+    def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out, plan=None) -> None:
+        (plan or self.fns["paged_attention"])(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq,
+                                              page_table=page_table, token_kv_len=token_kv_len, out=out)
 
     def run(self, op, **tensors):
         self.fns[op.kind](**tensors)  # checks shapes, dtypes and layout itself
@@ -247,8 +270,11 @@ class CUDABackend(KernelLayerOps, KernelBackend):
         t0 = time.perf_counter()
         plan = self.planner
         arch, sms = plan.device_arch(self.device), plan.device_sms(self.device)
+        from uacompile.tunedb import default_tuned
+
         P = self.ops.attention.page_size  # a step's page tables span whole pages
-        configs = plan.reachable_configs(self.ops.attention, max_tokens, max_seqs, -(-max_kv_len // P) * P, sms, arch)
+        configs = plan.reachable_configs(self.ops.attention, max_tokens, max_seqs, -(-max_kv_len // P) * P, sms, arch,
+                                         default_tuned("cuda", self.device))  # tuned records' kernels too
         kernels = [ir.Kernel(self.ops.attention, c) for c in configs]
         kernels += [ir.Kernel(self.ops.cache_write), ir.Kernel(self.ops.copy), ir.Kernel(self.ops.swap)]
         hits = self.api.preload(kernels, progress=progress)

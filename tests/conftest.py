@@ -19,3 +19,16 @@ def rng(request):
 
 # Kernel builds go through the content-hash cache (UACOMPILE_CACHE_DIR, default the user
 # cache dir), so tests and test runs share them: a kernel is compiled once per content.
+
+
+@pytest.fixture(autouse=True)
+def _no_user_tuning_database(tmp_path_factory, monkeypatch):
+    """Tests never read the user's tuning database (a `uacompile tune` run on the machine would change which
+    configs the planner and the runtime pick): the default database is an empty path of the test's own."""
+    from uacompile import tunedb
+
+    path = tmp_path_factory.mktemp("tuning") / "tuning.json"
+    monkeypatch.setattr(tunedb, "default_db_path", lambda: path)
+    tunedb.default_tuned.cache_clear()
+    yield
+    tunedb.default_tuned.cache_clear()

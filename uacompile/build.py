@@ -101,14 +101,51 @@ def preset_ops(preset: str) -> list[OpSpec]:
     return ops
 
 
-def preset_kernels(preset: str, target: str, lowering: str) -> list[Kernel]:
-    """A preset's kernels for one lowering (each model's ops in the configs that lowering runs)."""
+# (target, lowering) -> the tuning database's target name of its records
+TUNED_TARGETS = {("cpu", "tvm"): "cpu", ("cuda", "jinja"): "cuda", ("cuda", "tvm"): "tvm-cuda"}
+
+
+def tuned_kernels(op: OpSpec, target: str, lowering: str, db) -> list[Kernel]:
+    """The kernels of op's records in a tuning database (tunedb.TuningDB) for a lowering: on the CPU, this
+    machine's records; for CUDA, this GPU's where there is one, else every GPU's (a build machine without one
+    builds what each tuned device runs)."""
+    from .tunedb import config_from_dict, cpu_environment
+
+    name = TUNED_TARGETS.get((target, lowering))
+    if db is None or name is None:
+        return []
+    records = [r for r in db.records.values() if r.target == name and r.op_key == op.key()]
+    if target == "cpu":
+        env = cpu_environment()
+        records = [r for r in records if (r.device, r.toolchain) == (env["device"], env["toolchain"])]
+    else:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                device = torch.cuda.get_device_name(0)
+                records = [r for r in records if r.device == device]
+        except ImportError:
+            pass
+    out = []
+    for r in records:
+        k = Kernel(op, config_from_dict(r.config))
+        if k not in out:
+            out.append(k)
+    return out
+
+
+def preset_kernels(preset: str, target: str, lowering: str, tuning=None) -> list[Kernel]:
+    """A preset's kernels for one lowering (each model's ops in the configs that lowering runs, and those of
+    the tuning database's records for them)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     kernels: list[Kernel] = []
     for model in PRESETS[preset]:
         m = MODELS[model]
-        kernels += [k for op in m.ops() for k in kernels_for(op, target, lowering, m.decode_splits) if k not in kernels]
+        for op in m.ops():
+            kernels += [k for k in kernels_for(op, target, lowering, m.decode_splits) + tuned_kernels(
+                op, target, lowering, tuning) if k not in kernels]
     return kernels
 
 
@@ -202,10 +239,11 @@ def build_one(op: OpSpec | Kernel, target: str, lowering: str, out_dir: Path) ->
     return entry
 
 
-def build_set(preset: str, targets, out_dir: Path, progress: bool = True) -> dict:
-    """Build a preset's kernels for every target and lowering; write and return out_dir/manifest.json."""
+def build_set(preset: str, targets, out_dir: Path, progress: bool = True, tuning=None) -> dict:
+    """Build a preset's kernels for every target and lowering (with the tuned configs of `tuning`, a
+    tunedb.TuningDB); write and return out_dir/manifest.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    jobs = [(k, t, low) for t in targets for low in lowerings_for(t) for k in preset_kernels(preset, t, low)]
+    jobs = [(k, t, low) for t in targets for low in lowerings_for(t) for k in preset_kernels(preset, t, low, tuning)]
     from tqdm import tqdm
 
     entries = []

@@ -35,9 +35,12 @@ def _parse_sets(pairs: list[str]) -> dict:
 
 def cmd_build(args) -> int:
     from .build import DEFAULT_TARGETS, TARGETS, build_set
+    from .tunedb import TuningDB, default_db_path
 
     targets = {"all": TARGETS, None: DEFAULT_TARGETS}.get(args.target, (args.target,))
-    manifest = build_set(args.preset, targets, Path(args.out), progress=not args.quiet)
+    db_path = Path(args.tuning_db) if args.tuning_db else default_db_path()
+    db = None if args.no_tuned or not db_path.exists() else TuningDB.open(db_path)
+    manifest = build_set(args.preset, targets, Path(args.out), progress=not args.quiet, tuning=db)
     built = sum(e["library"] is not None for e in manifest["kernels"])
     print(f"{built}/{len(manifest['kernels'])} kernels built -> {Path(args.out) / 'manifest.json'}")
     for e in manifest["kernels"]:
@@ -71,6 +74,51 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    import logging
+
+    from .tune import DEFAULT_SHAPES, ops_to_tune, report_table, tune, write_report
+    from .tune_space import space as make_space
+    from .tunedb import TuningDB, parse_shapes
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.rerender:
+        from .tune import read_report
+
+        results, env = read_report(Path(args.rerender))
+        print(report_table(results))
+        for path in write_report(results, Path(args.report or Path(args.rerender).parent), env,
+                                 stem=Path(args.rerender).stem):
+            print(f"wrote {path}", file=sys.stderr)
+        return 0
+    db = TuningDB.open(args.db)
+    if args.show:
+        print(db.table())
+        return 0
+    if args.target is None:
+        raise ValueError("tune: --target is required (cpu, cuda, tvm-cuda or ascend)")
+    if args.preset is None and args.op is None:
+        raise ValueError("tune: give --preset NAME or --op OP (or --show)")
+    if args.set and args.op is None:
+        raise ValueError("tune: --set changes the fields of --op's op")
+    ops = ops_to_tune(args.target, args.preset, args.op, _parse_sets(args.set))
+    shapes = parse_shapes(args.shapes or DEFAULT_SHAPES[args.target])
+    space = make_space(args.target)
+    results = []
+    for op in ops:
+        results += tune(op, space, shapes, db, trials=args.trials, budget=args.budget, rounds=args.rounds,
+                        jobs=args.jobs, force=args.force, progress=not args.quiet)
+    print(report_table(results))
+    if args.report:
+        from .tunedb import environment
+
+        env = None if args.target == "ascend" else environment("cpu" if args.target == "cpu" else "cuda")
+        for path in write_report(results, Path(args.report), env):
+            print(f"wrote {path}", file=sys.stderr)
+    print(f"tuning database: {db.path}", file=sys.stderr)
+    return 1 if any(r.error for r in results) else 0
+
+
 def cmd_ops(args) -> int:
     from .ir import OPS, describe, reference_doc
 
@@ -98,6 +146,34 @@ def cmd_bench_serve(args) -> int:
     from .bench_serve import main as bench_main
 
     return bench_main(args)
+
+
+def _add_tune(sub) -> None:
+    from .build import PRESETS
+    from .ir import OPS
+    from .tune_space import SPACES
+
+    t = sub.add_parser("tune", help="search a target's run configs per shape; record the winners in the tuning database")
+    what = t.add_mutually_exclusive_group()
+    what.add_argument("--preset", choices=sorted(PRESETS), help="the preset's ops that the target tunes")
+    what.add_argument("--op", choices=sorted(OPS), help="one op (the default preset's, with --set fields)")
+    what.add_argument("--show", action="store_true", help="print the tuning database")
+    what.add_argument("--rerender", default=None, metavar="JSON",
+                      help="rewrite a report's table and plot from its JSON (into --report, else beside it)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="op field, e.g. head_dim=64")
+    t.add_argument("--target", choices=SPACES, default=None)
+    t.add_argument("--shapes", default=None, help="decode:BxL,prefill:BxL,... (default: the target's)")
+    much = t.add_mutually_exclusive_group()
+    much.add_argument("--trials", type=int, default=None, help="candidates a shape, the default among them (default 24)")
+    much.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="seconds a shape")
+    t.add_argument("--rounds", type=int, default=15, help="timed samples a candidate (round-robin)")
+    t.add_argument("--jobs", type=int, default=None, help="build processes (default: the cores, at most 8)")
+    t.add_argument("--db", default=None, metavar="PATH", help="tuning database (default: <user cache>/tuning.json)")
+    t.add_argument("--force", action="store_true", help="re-tune shapes the database already holds")
+    t.add_argument("--report", default=None, metavar="DIR", help="write DIR/tune-<date>.json, .md and .png")
+    t.add_argument("--quiet", action="store_true", help="no progress bars")
+    t.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    t.set_defaults(func=cmd_tune)
 
 
 def _add_serve(sub) -> None:
@@ -149,7 +225,11 @@ def make_parser() -> argparse.ArgumentParser:
                    help="default: cpu and cuda; all adds ascend")
     b.add_argument("--out", default="uacompile-build")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--tuning-db", default=None, metavar="PATH",
+                   help="add the tuned configs' kernels of this database (default: the user cache's, if any)")
+    b.add_argument("--no-tuned", action="store_true", help="build the built-in rules' kernels only")
     b.set_defaults(func=cmd_build)
+    _add_tune(sub)
     g = sub.add_parser("generate", help="write one kernel's source")
     g.add_argument("--op", required=True, choices=sorted(OPS))
     g.add_argument("--target", required=True, choices=TARGETS)

@@ -20,6 +20,8 @@ from uacompile.errors import IRError
 from uacompile.ir import (DTYPES, CopyBlocks, Kernel, OpSpec, PagedAttention, ReshapeAndCache, SwapBlocks, as_kernel,
                           c_signature, itemsize)
 
+from .config import TILES, config_of
+
 UB_BYTES = 196_608  # Unified Buffer per vector core, 910B
 UB_SCRATCH_RESERVE = 8192  # UB left free for API scratch space (emulator: kUbScratchReserve)
 UB_BUDGET = UB_BYTES - UB_SCRATCH_RESERVE  # what a kernel's InitBuffer calls may take
@@ -122,6 +124,11 @@ def _round(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
+def _block_dim(kernel, soc: str) -> int:
+    """The blockDim cap: the config's, else every vector core of the part (Plan.check holds it to them)."""
+    return config_of(kernel).block_dim or SOCS[soc][0]
+
+
 def _require(cond: bool, field_: str, rule: str) -> None:
     if not cond:
         raise IRError(field_, rule)
@@ -146,11 +153,13 @@ def _plan_attention(op: PagedAttention, soc: str) -> Plan:
     partial = splits_of(op) > 1
     out_size = 4 if partial else sq
     with_lse = partial or op.return_lse
-    for tile in (128, 64, 32, 16, 8, 4, 2, 1):
+    cfg = config_of(op)
+    _require(cfg.tile <= op.page_size, "AscendConfig.tile", f"must be <= page_size {op.page_size}, got {cfg.tile}")
+    for tile in (cfg.tile,) if cfg.tile else TILES:
         if tile > op.page_size:
             continue
         srow = _round(tile, 8)  # score row: tile floats, padded to 32 B
-        p = Plan(op, soc, SOCS[soc][0])
+        p = Plan(op, soc, _block_dim(op, soc))
         p.add("q", G * D * sq, 1, "VECIN")
         p.add("k", tile * D * skv, 2, "VECIN")
         p.add("v", tile * D * skv, 2, "VECIN")
@@ -177,6 +186,9 @@ def _plan_attention(op: PagedAttention, soc: str) -> Plan:
         p.consts = {"TILE": tile, "SROW": srow}
         if p.ub_bytes <= UB_BUDGET:
             return p.check()
+    if cfg.tile:
+        raise IRError("AscendConfig.tile", f"UB budget: a tile of {cfg.tile} positions does not fit the {UB_BUDGET} B "
+                                           f"a kernel may take of the UB (head_dim={D}, group={G})")
     raise IRError(f"{k}.head_dim", f"UB budget: no KV tile fits the {UB_BUDGET} B a kernel may take of the UB "
                                    f"(head_dim={D}, group={G})")
 
@@ -186,7 +198,7 @@ def _plan_reshape(op: ReshapeAndCache, soc: str) -> Plan:
     _require(not op.rope, f"{k}.rope", "the AscendC target does not fuse RoPE yet (rope=True)")
     _require(op.kv_dtype in ("fp16", "bf16", "fp32", "int8"), f"{k}.kv_dtype",
              f"the AscendC target supports fp16/bf16/fp32/int8 KV (910B has no fp8), got {op.kv_dtype}")
-    p = Plan(op, soc, SOCS[soc][0])
+    p = Plan(op, soc, _block_dim(op, soc))
     row = op.num_kv_heads * op.head_dim
     if not op.quantized:
         p.add("chunk", COPY_CHUNK_BYTES, 2, "VECIN")
@@ -205,7 +217,7 @@ def _plan_reshape(op: ReshapeAndCache, soc: str) -> Plan:
 
 
 def _plan_copy(op: CopyBlocks, soc: str) -> Plan:
-    p = Plan(op, soc, SOCS[soc][0])
+    p = Plan(op, soc, _block_dim(op, soc))
     p.add("chunk", COPY_CHUNK_BYTES, 2, "VECIN")
     p.consts = {"CHUNK_BYTES": COPY_CHUNK_BYTES}
     return p.check()

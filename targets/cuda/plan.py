@@ -63,11 +63,45 @@ def choose_splits(op: ir.PagedAttention, config: AttentionConfig, num_tokens: in
     return next(s for s in counts if fill(s) >= best - WAVE_FILL_SLACK)
 
 
+def tuned_config(op: ir.PagedAttention, tuned, num_tokens: int, num_seqs: int, max_kv_len: int,
+                 arch: str) -> AttentionConfig | None:
+    """The tuning database's config for the step's bucket (tunedb.Tuned: looked up once per (op, bucket)), or None
+    where there is no record or its config does not run here (logged once)."""
+    config = tuned.config(op, num_tokens, num_seqs, max_kv_len)
+    if config is None:
+        return None
+    if not isinstance(config, AttentionConfig):
+        return None
+    if config.decode_only and num_tokens > num_seqs:
+        return None
+    try:
+        check(op, config)
+        check_fits(op, config, arch)
+    except ir.IRError as e:
+        _refused(op.key(), repr(config), arch, str(e))
+        return None
+    return config.replace(item_queue=config.item_queue and uses_wgmma(op, config, arch))
+
+
+@functools.lru_cache(maxsize=None)
+def _refused(op_key: str, config: str, arch: str, why: str) -> None:  # logged once per record
+    import logging
+
+    logging.getLogger(__name__).warning("tuned %s for op %s does not run on %s (%s): the built-in rule runs",
+                                        config, op_key, arch, why)
+
+
 def choose_config(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_len: int, num_sms: int = H200_SMS,
-                  arch: str = "sm_90", num_splits: int | None = None, fused_merge: bool = True) -> AttentionConfig:
-    """The built-in rule: the decode-only kernel for a decode step (at most one token a sequence), split-KV by
-    choose_splits (or num_splits), merged in the same launch unless fused_merge=False, and the dynamic
-    item queue wherever the kernel runs the Hopper prefill path."""
+                  arch: str = "sm_90", num_splits: int | None = None, fused_merge: bool = True,
+                  tuned=None) -> AttentionConfig:
+    """The tuned config of the step's bucket where `tuned` (a tunedb.Tuned of this device) has a record that runs
+    here and num_splits is not given; else the built-in rule: the decode-only kernel for a decode step (at most
+    one token a sequence), split-KV by choose_splits (or num_splits), merged in the same launch unless
+    fused_merge=False, and the dynamic item queue wherever the kernel runs the Hopper prefill path."""
+    if tuned and num_splits is None:
+        config = tuned_config(op, tuned, num_tokens, num_seqs, max_kv_len, arch)
+        if config is not None:
+            return config
     decode_only = num_tokens <= num_seqs
     base = AttentionConfig(decode_only=decode_only)
     if num_splits is None:
@@ -79,11 +113,11 @@ def choose_config(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_
 
 
 def reachable_configs(op: ir.PagedAttention, max_tokens: int, max_seqs: int, max_kv_len: int,
-                      num_sms: int = H200_SMS, arch: str = "sm_90") -> set[AttentionConfig]:
+                      num_sms: int = H200_SMS, arch: str = "sm_90", tuned=None) -> set[AttentionConfig]:
     """Every config choose_config returns for a step within these limits (at most max_tokens tokens of at most
     max_seqs sequences, none longer than max_kv_len): the kernels a server must have built before it serves.
     choose_splits reads the tokens only through the items they make and the length only in MIN_SPLIT_LEN
-    steps, so the walk is over those."""
+    steps, so the walk is over those; with `tuned`, the configs of its records for op that run here join them."""
     lay = layout(op, AttentionConfig(), arch)
     tile = max(1, lay.prefill_rows // op.group_size)
     lengths = sorted({min(max_kv_len, k * MIN_SPLIT_LEN) for k in range(max_kv_len // MIN_SPLIT_LEN + 1)} | {max_kv_len})
@@ -95,7 +129,16 @@ def reachable_configs(op: ir.PagedAttention, max_tokens: int, max_seqs: int, max
     for n in range(1, -(-max_tokens // tile) + 1):  # prefill: items = tiles
         T = min(max_tokens, n * tile)
         steps.add((T, max(1, min(max_seqs, -(-T // 2) - 1))) if T > 2 else (T, 1))
-    return {choose_config(op, T, S, L, num_sms, arch) for T, S in steps for L in lengths}
+    configs = {choose_config(op, T, S, L, num_sms, arch) for T, S in steps for L in lengths}
+    for c in (tuned.configs(op) if tuned else ()):
+        if isinstance(c, AttentionConfig):
+            try:
+                check(op, c)
+                check_fits(op, c, arch)
+            except ir.IRError:
+                continue
+            configs.add(c.replace(item_queue=c.item_queue and uses_wgmma(op, c, arch)))
+    return configs
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,11 +218,13 @@ class Plan:
 
 def plan(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_len: int, device=None, *,
          config: AttentionConfig | None = None, num_splits: int | None = None, fused_merge: bool = True,
-         workspace: Workspace | None = None, kernel_of=None) -> Plan:
+         workspace: Workspace | None = None, kernel_of=None, tuned=None) -> Plan:
     """The launch of one step: config (given, or choose_config from the shapes; num_splits / fused_merge narrow
     the built-in rule), the kernels built or taken from the process's kernel table, and the workspaces (from
     `workspace`, else a fresh one the plan owns). Graph-safe: nothing is allocated at run time.
-    kernel_of(kernel) -> CudaKernel overrides the process's kernel table (api.kernel)."""
+    kernel_of(kernel) -> CudaKernel overrides the process's kernel table (api.kernel).
+    tuned: a tunedb.Tuned whose record for the step's bucket choose_config takes; None: the default tuning
+    database's view for this device (read once per process); False: the built-in rule only."""
     import torch
 
     from . import api
@@ -196,7 +241,12 @@ def plan(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_len: int,
     index = device.index if device.index is not None else torch.cuda.current_device()
     arch = device_arch(index)
     if config is None:
-        config = choose_config(op, num_tokens, num_seqs, max_kv_len, device_sms(index), arch, num_splits, fused_merge)
+        if tuned is None:
+            from uacompile.tunedb import default_tuned
+
+            tuned = default_tuned("cuda", index)
+        config = choose_config(op, num_tokens, num_seqs, max_kv_len, device_sms(index), arch, num_splits, fused_merge,
+                               tuned or None)
     elif not isinstance(config, AttentionConfig):
         raise TypeError(f"config must be an AttentionConfig, got {type(config).__name__}")
     check(op, config)
@@ -222,5 +272,5 @@ def plan(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_len: int,
     return Plan(op, config, kernel, merge, num_tokens, num_seqs, index, buffers)
 
 
-__all__ = ["MIN_SPLIT_LEN", "MAX_SPLITS", "choose_splits", "choose_config", "reachable_configs", "device_arch", "device_sms", "Workspace",
+__all__ = ["MIN_SPLIT_LEN", "MAX_SPLITS", "choose_splits", "choose_config", "tuned_config", "reachable_configs", "device_arch", "device_sms", "Workspace",
            "Plan", "plan"]

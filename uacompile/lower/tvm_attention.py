@@ -3,24 +3,27 @@
 Both targets do the same math: q is pre-scaled into fp32, scores get soft-cap / ALiBi,
 an online softmax keeps (max, sum, acc[D]) in fp32, and split i of a token covers
 reference.split_ranges. They differ in how work is spread:
-- cpu: one task per (token, q head) under T.parallel; KV is walked page by page, so the
-  softmax rescale happens once per page and the inner loops vectorise over D.
-- cuda: one block per (token, q head, split); TX lanes share a row of D (warp-shuffle
-  dot product), NY lane groups take interleaved positions, then merge through shared memory.
+- cpu: one task per `grain` (token, q head) rows under T.parallel; KV is walked `page_group`
+  pages at a time, so the softmax rescale happens once per group of pages and the inner loops
+  vectorise over D (dot_lanes partial sums for q.k, acc_vec lanes for the V accumulation).
+- cuda: one block per (token, q head, split); TX = `lanes` lanes share a row of D (warp-shuffle
+  dot product), NY = threads / TX lane groups take interleaved positions, then merge through shared memory.
 unified_masked scans every page-table entry of every sequence (skipping -1) and masks out
 cells of other sequences and positions outside the token's range: llama.cpp's cost model.
 """
 from __future__ import annotations
 
 from ..ir import DTYPES, Kernel, PagedAttention
-from .config import splits_of
-from .tvm_tir import ALIGN, lanes_for, load_f32, merge_row_macro, neg_inf, transform_score
+from .config import TVMConfig, schedule_of, splits_of
+from .tvm_tir import ALIGN, load_f32, merge_row_macro, neg_inf, transform_score
 
 
 def paged_attention(kernel: Kernel, gpu: bool):
-    """kernel: the op and its config (TVMConfig's split fields, or any config's signature())."""
+    """kernel: the op and its config (a TVMConfig: splits and schedule knobs; another target's config: its
+    signature()'s splits, default knobs)."""
     S, fused = splits_of(kernel)
-    return _cuda(kernel.op, S, fused) if gpu else _cpu(kernel.op, S, fused)
+    cfg = schedule_of(kernel)
+    return _cuda(kernel.op, S, fused, cfg) if gpu else _cpu(kernel.op, S, fused, cfg)
 
 
 def _ranges(op: PagedAttention, S: int):
@@ -74,12 +77,16 @@ def _with_buffers(op: PagedAttention, S: int, body):
     return kernel
 
 
-def _cpu(op: PagedAttention, S: int, fused: bool):
+def _cpu(op: PagedAttention, S: int, fused: bool, cfg: TVMConfig):
     from tvm.script import tirx as T
 
     Hq, D, P, G = op.num_q_heads, op.head_dim, op.page_size, op.group_size
     qdt, kvd = DTYPES[op.q_dtype].tir, op.kv_dtype
-    LN = 8 if D % 8 == 0 else (4 if D % 4 == 0 else 1)  # dot-product lanes (fp32 partial sums)
+    LN = cfg.dot_lanes_for(D)  # dot-product lanes (fp32 partial sums)
+    W = cfg.acc_vec_for(D)  # vector width of the V accumulation
+    PG, GRAIN = cfg.page_group, cfg.grain  # pages a softmax update, rows a parallel task
+    NC = PG * P  # score cells of one update
+    dot_loop = T.unroll if cfg.unroll_dot else T.serial
     quant, unified, with_lse = op.quantized, op.variant == "unified_masked", op.return_lse
     scale, NEG = op.sm_scale, neg_inf()
     lo_of, split = _ranges(op, S)
@@ -89,112 +96,136 @@ def _cpu(op: PagedAttention, S: int, fused: bool):
         return transform_score(op, x, h, j, L, slopes)
 
     @T.macro
-    def dot_into(sc, o, qv, part, k_cache, k_scale, page, g):
+    def dot_into(sc, c, o, qv, part, k_cache, k_scale, page, g):
+        # sc[c] = q . k_cache[page, o, g]
         for ln in T.vectorized(LN):
             part[ln] = T.float32(0)
-        for d0 in T.serial(D // LN):
+        for d0 in dot_loop(D // LN):
             for ln in T.vectorized(LN):
                 part[ln] = part[ln] + qv[d0 * LN + ln] * load_f32(kvd, k_cache[page, o, g, d0 * LN + ln])
-        sc[o] = T.float32(0)
+        sc[c] = T.float32(0)
         for ln in T.serial(LN):
-            sc[o] = sc[o] + part[ln]
+            sc[c] = sc[c] + part[ln]
         if quant:
-            sc[o] = sc[o] * k_scale[page, o, g]
+            sc[c] = sc[c] * k_scale[page, o, g]
 
     @T.macro
-    def page_update(sc, pb, st, acc, v_cache, v_scale, page, g, o_lo, o_hi):
-        # sc[o] holds final scores (-inf = masked); fold page cells [o_lo, o_hi) into (m, l, acc)
+    def cells_update(sc, pb, st, acc, v_cache, v_scale, pages, g, n):
+        # sc[c] holds final scores (-inf = masked) of cells c < n, cell c at (pages[c // P], c % P):
+        # fold them into (m, l, acc)
         st[2] = NEG
-        for o in T.serial(o_lo, o_hi):
-            st[2] = T.max(st[2], sc[o])
+        for c in T.serial(n):
+            st[2] = T.max(st[2], sc[c])
         if st[2] > NEG:
             m_new: T.let[T.float32] = T.max(st[0], st[2])
             alpha: T.let[T.float32] = T.exp(st[0] - m_new)
             st[3] = T.float32(0)
-            for o in T.serial(o_lo, o_hi):
-                pb[o] = T.exp(sc[o] - m_new)
-                st[3] = st[3] + pb[o]
+            for c in T.serial(n):
+                pb[c] = T.exp(sc[c] - m_new)
+                st[3] = st[3] + pb[c]
             st[1] = st[1] * alpha + st[3]
             st[0] = m_new
-            for d in T.vectorized(D):
-                acc[d] = acc[d] * alpha
-            for o in T.serial(o_lo, o_hi):
-                if sc[o] > NEG:  # masked cells may hold garbage (even NaN): never touch their V
+            for d0 in T.serial(D // W):
+                for d1 in T.vectorized(W):
+                    acc[d0 * W + d1] = acc[d0 * W + d1] * alpha
+            for c in T.serial(n):
+                if sc[c] > NEG:  # masked cells may hold garbage (even NaN): never touch their V
                     if quant:
-                        pb[o] = pb[o] * v_scale[page, o, g]
-                    for d in T.vectorized(D):
-                        acc[d] = acc[d] + pb[o] * load_f32(kvd, v_cache[page, o, g, d])
+                        pb[c] = pb[c] * v_scale[pages[c // P], c % P, g]
+                    for d0 in T.serial(D // W):
+                        for d1 in T.vectorized(W):
+                            acc[d0 * W + d1] = acc[d0 * W + d1] + pb[c] * load_f32(
+                                kvd, v_cache[pages[c // P], c % P, g, d0 * W + d1])
+
+    @T.macro
+    def row(q, k_cache, v_cache, token_seq, page_table, token_kv_len, k_scale, v_scale, alibi_slopes, o_partial,
+            lse_partial, out, lse, num_seqs, max_pages, th):
+        qv = T.alloc_buffer((D,), "float32", scope="local")
+        acc = T.alloc_buffer((D,), "float32", scope="local")
+        sc = T.alloc_buffer((NC,), "float32", scope="local")
+        pb = T.alloc_buffer((NC,), "float32", scope="local")
+        pages = T.alloc_buffer((PG,), "int64", scope="local")
+        part = T.alloc_buffer((LN,), "float32", scope="local")
+        st = T.alloc_buffer((4,), "float32", scope="local")  # m, l, update max, update sum
+        t: T.let[T.int64] = th // Hq
+        h: T.let[T.int64] = th % Hq
+        g: T.let[T.int64] = h // G
+        s: T.let[T.int64] = T.Cast("int64", token_seq[t])
+        L: T.let[T.int64] = T.Cast("int64", token_kv_len[t])
+        lo: T.let[T.int64] = lo_of(L)
+        for d in T.serial(D):
+            qv[d] = T.Cast("float32", q[t, h, d]) * T.float32(scale)
+        for sp in T.serial(S):
+            a: T.let[T.int64] = split(lo, L, sp)[0]
+            b: T.let[T.int64] = split(lo, L, sp)[1]
+            st[0] = NEG
+            st[1] = T.float32(0)
+            for d in T.vectorized(D):
+                acc[d] = T.float32(0)
+            if unified:
+                for s2 in T.serial(num_seqs):
+                    for pi in T.serial(max_pages):
+                        page: T.let[T.int64] = T.Cast("int64", page_table[s2, pi])
+                        if page >= 0:
+                            pages[0] = page
+                            for o in T.serial(P):  # every cell is scored, then masked
+                                dot_into(sc, o, o, qv, part, k_cache, k_scale, page, g)
+                                sc[o] = T.Select(s2 == s and pi * P + o >= a and pi * P + o < b,
+                                                 tf(sc[o], h, pi * P + o, L, alibi_slopes), NEG)
+                            cells_update(sc, pb, st, acc, v_cache, v_scale, pages, g, P)
+            elif a < b:
+                p0: T.let[T.int64] = a // P
+                p1: T.let[T.int64] = (b + P - 1) // P
+                for gi in T.serial((p1 - p0 + PG - 1) // PG):
+                    for k in T.serial(PG):
+                        pi: T.let[T.int64] = p0 + gi * PG + k
+                        for o in T.serial(P):
+                            sc[k * P + o] = NEG
+                        if pi < p1:
+                            pages[k] = T.Cast("int64", page_table[s, pi])
+                            for o in T.serial(T.max(a - pi * P, 0), T.min(b - pi * P, P)):
+                                dot_into(sc, k * P + o, o, qv, part, k_cache, k_scale, pages[k], g)
+                                sc[k * P + o] = tf(sc[k * P + o], h, pi * P + o, L, alibi_slopes)
+                    cells_update(sc, pb, st, acc, v_cache, v_scale, pages, g, NC)
+            inv: T.let[T.float32] = T.Select(st[1] > T.float32(0), T.float32(1) / st[1], T.float32(0))
+            lse_v: T.let[T.float32] = T.Select(st[1] > T.float32(0), st[0] + T.log(st[1]), NEG)
+            if S == 1:
+                for d in T.serial(D):
+                    out[t, h, d] = T.Cast(qdt, acc[d] * inv)
+                if with_lse:
+                    lse[t, h] = lse_v
+            else:
+                for d in T.serial(D):
+                    o_partial[sp, t, h, d] = acc[d] * inv
+                lse_partial[sp, t, h] = lse_v
+        if fused:  # this task wrote every split of (t, h): merge them as merge_state does
+            merge_row(o_partial, lse_partial, out, lse, st, acc, t, h, 0, D)
 
     @T.macro
     def body(q, k_cache, v_cache, token_seq, page_table, token_kv_len, k_scale, v_scale, alibi_slopes, o_partial,
              lse_partial, out, lse, num_tokens, num_seqs, max_pages):
-        for th in T.parallel(num_tokens * Hq):
-            qv = T.alloc_buffer((D,), "float32", scope="local")
-            acc = T.alloc_buffer((D,), "float32", scope="local")
-            sc = T.alloc_buffer((P,), "float32", scope="local")
-            pb = T.alloc_buffer((P,), "float32", scope="local")
-            part = T.alloc_buffer((LN,), "float32", scope="local")
-            st = T.alloc_buffer((4,), "float32", scope="local")  # m, l, page max, page sum
-            t: T.let[T.int64] = th // Hq
-            h: T.let[T.int64] = th % Hq
-            g: T.let[T.int64] = h // G
-            s: T.let[T.int64] = T.Cast("int64", token_seq[t])
-            L: T.let[T.int64] = T.Cast("int64", token_kv_len[t])
-            lo: T.let[T.int64] = lo_of(L)
-            for d in T.serial(D):
-                qv[d] = T.Cast("float32", q[t, h, d]) * T.float32(scale)
-            for sp in T.serial(S):
-                a: T.let[T.int64] = split(lo, L, sp)[0]
-                b: T.let[T.int64] = split(lo, L, sp)[1]
-                st[0] = NEG
-                st[1] = T.float32(0)
-                for d in T.vectorized(D):
-                    acc[d] = T.float32(0)
-                if unified:
-                    for s2 in T.serial(num_seqs):
-                        for pi in T.serial(max_pages):
-                            page: T.let[T.int64] = T.Cast("int64", page_table[s2, pi])
-                            if page >= 0:
-                                for o in T.serial(P):  # every cell is scored, then masked
-                                    dot_into(sc, o, qv, part, k_cache, k_scale, page, g)
-                                    sc[o] = T.Select(s2 == s and pi * P + o >= a and pi * P + o < b,
-                                                     tf(sc[o], h, pi * P + o, L, alibi_slopes), NEG)
-                                page_update(sc, pb, st, acc, v_cache, v_scale, page, g, 0, P)
-                elif a < b:
-                    for pi in T.serial(a // P, (b + P - 1) // P):
-                        page: T.let[T.int64] = T.Cast("int64", page_table[s, pi])
-                        o_lo: T.let[T.int64] = T.max(a - pi * P, 0)
-                        o_hi: T.let[T.int64] = T.min(b - pi * P, P)
-                        for o in T.serial(o_lo, o_hi):
-                            dot_into(sc, o, qv, part, k_cache, k_scale, page, g)
-                            sc[o] = tf(sc[o], h, pi * P + o, L, alibi_slopes)
-                        page_update(sc, pb, st, acc, v_cache, v_scale, page, g, o_lo, o_hi)
-                inv: T.let[T.float32] = T.Select(st[1] > T.float32(0), T.float32(1) / st[1], T.float32(0))
-                lse_v: T.let[T.float32] = T.Select(st[1] > T.float32(0), st[0] + T.log(st[1]), NEG)
-                if S == 1:
-                    for d in T.serial(D):
-                        out[t, h, d] = T.Cast(qdt, acc[d] * inv)
-                    if with_lse:
-                        lse[t, h] = lse_v
-                else:
-                    for d in T.serial(D):
-                        o_partial[sp, t, h, d] = acc[d] * inv
-                    lse_partial[sp, t, h] = lse_v
-            if fused:  # this task wrote every split of (t, h): merge them as merge_state does
-                merge_row(o_partial, lse_partial, out, lse, st, acc, t, h, 0, D)
-
+        if GRAIN == 1:
+            for th in T.parallel(num_tokens * Hq):
+                row(q, k_cache, v_cache, token_seq, page_table, token_kv_len, k_scale, v_scale, alibi_slopes,
+                    o_partial, lse_partial, out, lse, num_seqs, max_pages, th)
+        else:
+            for th0 in T.parallel((num_tokens * Hq + GRAIN - 1) // GRAIN):
+                for th1 in T.serial(GRAIN):
+                    if th0 * GRAIN + th1 < num_tokens * Hq:
+                        row(q, k_cache, v_cache, token_seq, page_table, token_kv_len, k_scale, v_scale,
+                            alibi_slopes, o_partial, lse_partial, out, lse, num_seqs, max_pages, th0 * GRAIN + th1)
 
     return _with_buffers(op, S, body)
 
 
-def _cuda(op: PagedAttention, S: int, fused: bool):
+def _cuda(op: PagedAttention, S: int, fused: bool, cfg: TVMConfig):
     from tvm.script import tirx as T
 
     Hq, D, P, G = op.num_q_heads, op.head_dim, op.page_size, op.group_size
     qdt, kvd = DTYPES[op.q_dtype].tir, op.kv_dtype
-    TX = lanes_for(D)  # lanes per row of D
+    TX = cfg.row_lanes(D)  # lanes per row of D
     VEC = D // TX  # elements per lane
-    NY = 128 // TX  # lane groups per block, each over interleaved KV positions
+    NY = cfg.threads // TX  # lane groups per block, each over interleaved KV positions
     NSH = TX.bit_length() - 1  # butterfly steps over the TX lanes of a row
     quant, unified, with_lse = op.quantized, op.variant == "unified_masked", op.return_lse
     scale, NEG = op.sm_scale, neg_inf()

@@ -6,15 +6,20 @@ lanes collapse to one (TX = 1), so the same body runs with no shuffles.
 """
 from __future__ import annotations
 
-from ..ir import DTYPES, QMAX, CopyBlocks, MergeState, ReshapeAndCache, SwapBlocks
+from ..ir import DTYPES, QMAX, CopyBlocks, MergeState, ReshapeAndCache, SwapBlocks, as_kernel
+from .config import schedule_of
 from .tvm_tir import ALIGN, FULL, lanes_for, loops, merge_row_macro, quantize_f32, rope_cos_sin
 
 COPY_THREADS = 128
 
 
-def reshape_and_cache(op: ReshapeAndCache, gpu: bool):
+def reshape_and_cache(kernel, gpu: bool):
+    """kernel: the op, or ir.Kernel(op, TVMConfig): on the CPU a parallel task takes config.grain tokens."""
     from tvm import tirx
     from tvm.script import tirx as T
+
+    op: ReshapeAndCache = getattr(kernel, "op", kernel)
+    GRAIN = 1 if gpu else schedule_of(as_kernel(kernel)).grain
 
     Hkv, D, P = op.num_kv_heads, op.head_dim, op.page_size
     in_dt, kvdt, kvd = DTYPES[op.dtype].tir, DTYPES[op.kv_dtype].tir, op.kv_dtype
@@ -69,20 +74,23 @@ def reshape_and_cache(op: ReshapeAndCache, gpu: bool):
         v_cache = T.match_buffer(vc_h, (num_pages, P, Hkv, D), kvdt, align=ALIGN)
         k_scale = T.match_buffer(ks_h, (num_pages, P, Hkv), "float32", align=ALIGN)
         v_scale = T.match_buffer(vs_h, (num_pages, P, Hkv), "float32", align=ALIGN)
-        for bt in grid_x(num_tokens):
-            for bh in grid_y(Hkv):
-                for tx in lanes(TX):
-                    row = T.alloc_buffer((VEC,), "float32", scope="local")
-                    st = T.alloc_buffer((2,), "float32", scope="local")  # amax, scale
-                    t: T.let[T.int64] = T.Cast("int64", bt)
-                    h: T.let[T.int64] = T.Cast("int64", bh)
-                    slot: T.let[T.int64] = slot_mapping[t]
-                    if slot >= 0:  # -1 = padding token
-                        if rope:
-                            write_row(k, k_cache, k_scale, t, h, tx, slot // P, slot % P, row, st, positions[t], True)
-                        else:
-                            write_row(k, k_cache, k_scale, t, h, tx, slot // P, slot % P, row, st, 0, False)
-                        write_row(v, v_cache, v_scale, t, h, tx, slot // P, slot % P, row, st, 0, False)
+        for bt0 in grid_x((num_tokens + GRAIN - 1) // GRAIN):
+            for bt1 in T.serial(GRAIN):
+                for bh in grid_y(Hkv):
+                    for tx in lanes(TX):
+                        row = T.alloc_buffer((VEC,), "float32", scope="local")
+                        st = T.alloc_buffer((2,), "float32", scope="local")  # amax, scale
+                        t: T.let[T.int64] = T.Cast("int64", bt0) * GRAIN + T.Cast("int64", bt1)
+                        h: T.let[T.int64] = T.Cast("int64", bh)
+                        if t < num_tokens:
+                            slot: T.let[T.int64] = slot_mapping[t]
+                            if slot >= 0:  # -1 = padding token
+                                if rope:
+                                    write_row(k, k_cache, k_scale, t, h, tx, slot // P, slot % P, row, st,
+                                              positions[t], True)
+                                else:
+                                    write_row(k, k_cache, k_scale, t, h, tx, slot // P, slot % P, row, st, 0, False)
+                                write_row(v, v_cache, v_scale, t, h, tx, slot // P, slot % P, row, st, 0, False)
 
     return kernel
 

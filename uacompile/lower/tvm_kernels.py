@@ -33,7 +33,7 @@ def prim_func(op, target: str = "cpu"):
            "copy_blocks": tvm_cache_ops.copy_blocks, "swap_blocks": tvm_cache_ops.swap_blocks,
            "merge_state": tvm_cache_ops.merge_state, "rms_norm": tvm_layer_ops.rms_norm,
            "silu_and_mul": tvm_layer_ops.silu_and_mul, "rope": tvm_layer_ops.rope}[kernel.kind]
-    arg = kernel if kernel.kind == "paged_attention" else kernel.op
+    arg = kernel if kernel.kind in ("paged_attention", "reshape_and_cache") else kernel.op
     return finalize(gen(arg, target == "cuda"), kernel)
 
 
