@@ -7,7 +7,6 @@ interleaved rotary layout back to the rotate-half layout the model uses.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,9 +42,10 @@ GGUF_NAMES = {
 
 
 def models_dir() -> Path:
-    """Where the shared test/demo models live: $UACOMPILE_MODELS_DIR, else ../shared/models beside the repo."""
-    env = os.environ.get("UACOMPILE_MODELS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "models"
+    """The folder of the models shipped in the package (uacompile.models: stories260K.gguf)."""
+    from uacompile import models
+
+    return models.DIR
 
 
 @dataclass

@@ -37,7 +37,7 @@ def complete(op, inputs: dict) -> dict:
 
 
 def to_torch(x: np.ndarray, dtype: str):
-    torch = pytest.importorskip("torch")
+    import torch
     want = getattr(torch, DTYPES[dtype][2])
     if dtype in ("bf16", "fp8_e4m3"):  # torch.from_numpy knows neither: go through the raw bytes
         return torch.from_numpy(x.view(f"u{x.itemsize}")).view(want)
@@ -74,7 +74,7 @@ def _numpy(shape, dtype):
 
 
 def _torch(shape, dtype):
-    torch = pytest.importorskip("torch")
+    import torch
     return torch.zeros(shape, dtype=getattr(torch, DTYPES[dtype][2]))
 
 
@@ -145,7 +145,7 @@ def test_numpy_outputs_must_be_writeable_inputs_need_not():
 
 
 def test_fp8_also_binds_as_raw_bytes():
-    torch = pytest.importorskip("torch")
+    import torch
     op = CopyBlocks(1, 32, 8, "fp8_e4m3")
     scales = np.zeros((1, 2, 3, 8, 1), np.float32)
     mapping = np.zeros((1, 2), np.int64)
@@ -161,7 +161,7 @@ def test_fp8_also_binds_as_raw_bytes():
 
 
 def test_placement_is_left_to_the_target_except_on_the_host():
-    torch = pytest.importorskip("torch")
+    import torch
     args = {k: v.to("meta") for k, v in merge_args(_torch).items()}
     tensors, sizes = Binder(MERGE, (TORCH,))(args)  # the CUDA flavour: placement is the CUDA target's check
     assert sizes == [3] and all(t.device.type == "meta" for t in tensors)

@@ -4,7 +4,7 @@ or chunked."""
 import pytest
 
 from uacompile.runtime import LLM, SamplingParams
-from uacompile.runtime.loader import models_dir
+from uacompile.models import STORIES260K
 
 PROMPTS = ["Once upon a time", "Tom and his dog went to the park. They saw a big tree and a little bird.",
            [1], "Lily liked to", "The sun was hot and the sky was blue. Lily and Tom went to the beach to play"
@@ -14,10 +14,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def stories():
-    path = models_dir() / "stories260K.gguf"
-    if not path.exists():
-        pytest.skip(f"{path} not found (set UACOMPILE_MODELS_DIR to the folder holding stories260K.gguf)")
-    return str(path)
+    return str(STORIES260K)  # shipped in the package: a missing file fails, never skips
 
 
 def make(stories, **kw):
