@@ -6,6 +6,8 @@ strings (output text is cut where the stop string begins).
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -19,6 +21,8 @@ from .scheduler import Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,12 +60,31 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # KV budget when num_pages is not given
     seed: int = 0                     # seeds of requests that bring none
     cpu_threads: int | None = None    # torch.set_num_threads (process-wide); None leaves torch's default
+    log_stats_interval: float = 10.0  # seconds between throughput lines at INFO (0 = none)
+
+    def __post_init__(self):
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)} or None, got {self.dtype!r}")
+        if self.kernel_backend not in ("auto", "tvm-cpu", "cuda", "reference"):
+            raise ValueError(f"kernel_backend must be one of auto, tvm-cpu, cuda, reference, got {self.kernel_backend!r}")
+        if self.kv_cache_bytes is not None and (not is_int(self.kv_cache_bytes) or self.kv_cache_bytes < 1):
+            raise ValueError(f"kv_cache_bytes must be an int >= 1 (bytes) or None, got {self.kv_cache_bytes!r}")
+        if not is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be an int in [0, 2**64 - 1], got {self.seed!r}")
+        if self.cpu_threads is not None and (not is_int(self.cpu_threads) or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be an int >= 1 or None, got {self.cpu_threads!r}")
+        if isinstance(self.log_stats_interval, bool) or not isinstance(self.log_stats_interval, (int, float)) \
+                or not 0 <= self.log_stats_interval < float("inf"):
+            raise ValueError(f"log_stats_interval must be a finite number of seconds >= 0, got {self.log_stats_interval!r}")
 
 
 def _pick_dtype(ec: EngineConfig, checkpoint_dtype: str) -> torch.dtype:
     if ec.dtype is not None:
-        if ec.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {ec.dtype!r}")
         return DTYPES[ec.dtype]
     if ec.device == "cpu":
         return torch.float32
@@ -71,45 +94,86 @@ def _pick_dtype(ec: EngineConfig, checkpoint_dtype: str) -> torch.dtype:
 class Engine:
     def __init__(self, model: str, engine_config: EngineConfig | None = None, **scheduler_kwargs):
         ec = self.engine_config = engine_config or EngineConfig()
-        if ec.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {ec.device!r}")
+        if not isinstance(ec, EngineConfig):
+            raise TypeError(f"engine_config must be an EngineConfig, got {type(ec).__name__}")
         if ec.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA GPU")
+        self._check_scheduler_kwargs(scheduler_kwargs)
         if ec.cpu_threads is not None:
             torch.set_num_threads(ec.cpu_threads)  # tiny models on a busy CPU run faster on one thread
+        t0 = time.perf_counter()
         loaded = load(model)
         cfg, self.tokenizer = loaded.config, loaded.tokenizer
         self.dtype = _pick_dtype(ec, cfg.torch_dtype)
         self.model = LlamaForCausalLM.from_weights(cfg, loaded.weights, ec.device, self.dtype)
         del loaded
+        log.info("model loaded in %.2f s: %s (%s, %d layers, %d/%d heads, head_dim %d, vocab %d), %s on %s",
+                 time.perf_counter() - t0, model, cfg.arch, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+                 cfg.head_dim, cfg.vocab_size, str(self.dtype).removeprefix("torch."), ec.device)
         sc = self._scheduler_config(cfg, scheduler_kwargs)
         self.scheduler = Scheduler(sc)
         ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sc.page_size, self.dtype,
                                   cfg.sliding_window)
+        t0 = time.perf_counter()
         self.kernels = make_backend(ec.kernel_backend, ops, ec.device)
+        log.info("kernels ready in %.2f s (%s backend)", time.perf_counter() - t0, self.kernels.name)
         self.executor = Executor(self.model, self.kernels, sc.num_pages, sc.num_cpu_pages, sc.page_size,
                                  ec.device, self.dtype)
+        page_bytes = self._page_bytes(cfg, sc.page_size)
+        log.info("KV cache: %d pages of %d tokens (%d tokens), %.4g GB on %s; swap pool %d pages (%.4g GB); "
+                 "max_model_len %d", sc.num_pages, sc.page_size, sc.num_pages * sc.page_size,
+                 sc.num_pages * page_bytes / 1e9, ec.device, sc.num_cpu_pages, sc.num_cpu_pages * page_bytes / 1e9,
+                 sc.max_model_len)
+        self._stats = {"t": time.monotonic(), "prompt": 0, "generated": 0}
         self.sampler = Sampler(ec.seed)
         self.requests: dict[int, Request] = {}
         self._seq_request: dict[int, tuple[Request, int]] = {}  # seq_id -> (request, sample index)
         self._ids = itertools.count()
 
     # ---- construction ---------------------------------------------------------------------------
-    def _scheduler_config(self, cfg, kw: dict) -> SchedulerConfig:
+    @staticmethod
+    def _check_scheduler_kwargs(kw: dict) -> None:
+        """Unknown names and bad values fail here, before the model loads (SchedulerConfig checks the rest)."""
         names = {f.name for f in fields(SchedulerConfig)}
         unknown = sorted(set(kw) - names)
         if unknown:
-            raise TypeError(f"unknown engine arguments {unknown}; scheduler options are {sorted(names)}")
+            raise TypeError(f"unknown engine arguments {unknown}; engine options are {sorted(f.name for f in fields(EngineConfig))}, "
+                            f"scheduler options are {sorted(names)}")
+        for name in ("page_size", "num_pages", "max_num_seqs", "max_model_len", "num_cpu_pages"):
+            v = kw.get(name)
+            lo = 0 if name == "num_cpu_pages" else 1
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
+    def _page_bytes(self, cfg, page_size: int) -> int:
+        return cfg.num_layers * 2 * page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+
+    def _scheduler_config(self, cfg, kw: dict) -> SchedulerConfig:
         kw = dict(kw)
         P = kw.setdefault("page_size", 16)
-        max_len = min(kw.get("max_model_len") or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        max_pos = cfg.max_position_embeddings
+        asked = kw.get("max_model_len")
+        if asked is not None and asked > max_pos:
+            raise ValueError(f"max_model_len must be in [1, {max_pos}] (the model's max_position_embeddings), "
+                             f"got {asked}")
+        max_len = asked or max_pos
+        page_bytes = self._page_bytes(cfg, P)
         if kw.get("num_pages") is None:
-            page_bytes = cfg.num_layers * 2 * P * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
             budget = self.engine_config.kv_cache_bytes or self._default_kv_budget()
+            if budget < page_bytes:
+                raise ValueError(f"kv_cache_bytes={budget} holds no KV page: one page of {P} tokens takes "
+                                 f"{page_bytes} bytes for this model")
             want = kw.get("max_num_seqs", 32) * -(-max_len // P)  # every running sequence at full length
-            kw["num_pages"] = max(1, min(want, budget // page_bytes))
+            kw["num_pages"] = min(want, budget // page_bytes)
         kw.setdefault("num_cpu_pages", kw["num_pages"] if kw.get("preemption") == "swap" else 0)
-        kw["max_model_len"] = min(max_len, kw["num_pages"] * P)
+        capacity = kw["num_pages"] * P
+        if asked is not None and asked > capacity:
+            raise ValueError(f"max_model_len={asked} does not fit the KV cache: {kw['num_pages']} pages of {P} "
+                             f"tokens hold {capacity} (raise kv_cache_bytes or num_pages, or lower max_model_len)")
+        if asked is None and capacity < max_pos:
+            log.warning("max_model_len = %d, what the KV cache's %d pages hold (the model allows %d; raise "
+                        "kv_cache_bytes or num_pages for more)", capacity, kw["num_pages"], max_pos)
+        kw["max_model_len"] = min(max_len, capacity)
         return SchedulerConfig(**kw)
 
     def _default_kv_budget(self) -> int:
@@ -179,6 +243,7 @@ class Engine:
         seqs, logits = self.executor.execute(batch)
         sampled = self.sampler.sample(seqs, logits)
         self.scheduler.update(batch, sampled)
+        self._log_stats(batch, len(sampled))
         done = []
         for seq in seqs:
             reason = None if seq.is_finished else self._stop_reason(seq)
@@ -222,6 +287,21 @@ class Engine:
                 for i, s in enumerate(req.seqs)]
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
                              all(s.is_finished for s in req.seqs))
+
+    def _log_stats(self, batch, num_sampled: int) -> None:
+        """Throughput at INFO every log_stats_interval seconds (counted whatever the log level)."""
+        st = self._stats
+        st["generated"] += num_sampled
+        st["prompt"] += batch.num_tokens - num_sampled  # tokens computed that drew no sample
+        interval = self.engine_config.log_stats_interval
+        now = time.monotonic()
+        if interval and now - st["t"] >= interval:
+            dt = now - st["t"]
+            s = self.scheduler.stats()
+            log.info("throughput: %.1f prefill tok/s, %.1f generated tok/s; %d running, %d waiting, %d swapped; "
+                     "KV usage %.0f%%; %d preemptions so far", st["prompt"] / dt, st["generated"] / dt,
+                     s["num_running"], s["num_waiting"], s["num_swapped"], 100 * s["kv_usage"], s["num_preemptions"])
+            st.update(t=now, prompt=0, generated=0)
 
     def run_until_done(self) -> None:
         while self.has_unfinished():

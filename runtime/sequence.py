@@ -32,16 +32,16 @@ class SamplingParams:
             return isinstance(v, int) and not isinstance(v, bool)
 
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+                or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= 2**64 - 1):
+            raise ValueError(f"seed must be an int in [0, 2**64 - 1] or None, got {self.seed!r}")
         if isinstance(self.stop, str):  # a lone string is the common mistake: accept it as one stop string
             self.stop = [self.stop]
         if self.stop is not None and (not isinstance(self.stop, (list, tuple))
@@ -52,6 +52,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
