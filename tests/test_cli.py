@@ -79,13 +79,6 @@ def test_build_tiny_preset_writes_a_complete_manifest(tmp_path):
         assert Path(e["source"]).exists()
 
 
-def test_readme_python_example_runs():
-    import re
-
-    code = re.search(r"## In Python\n\n```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {})
-
-
 def test_build_ascend_records_emulator_verification(tmp_path):
     r = run_cli("build", "--preset", "tiny", "--target", "ascend", "--out", str(tmp_path), "--quiet")
     assert r.returncode == 0, r.stderr
@@ -95,24 +88,6 @@ def test_build_ascend_records_emulator_verification(tmp_path):
         assert verified[op] == "emulator", kernels
     merge = next(e for e in kernels if e["op"] == "merge_state")
     assert merge["library"] is None and "no lowering for merge_state" in merge["reason"]
-
-
-def test_default_build_has_every_op_for_cpu_and_cuda(tmp_path):
-    import shutil
-
-    r = run_cli("build", "--out", str(tmp_path), "--quiet")
-    assert r.returncode == 0, r.stderr
-    kernels = json.loads((tmp_path / "manifest.json").read_text())["kernels"]
-    all_ops = {"paged_attention", "merge_state", "reshape_and_cache", "copy_blocks", "swap_blocks"}
-    for target in ("cpu", "cuda"):
-        built = {e["op"] for e in kernels if e["target"] == target and e["library"]}
-        if target == "cuda" and not shutil.which("nvcc"):
-            built = {e["op"] for e in kernels if e["target"] == target and e["source"]}
-        assert built == all_ops, (target, built)
-    shapes = {(e["params"].get("num_q_heads"), e["params"].get("head_dim")) for e in kernels if e["op"] == "paged_attention"}
-    assert shapes == {(32, 128), (8, 8)}  # Llama-3-8B / Qwen3-8B and stories260K
-    for e in kernels:
-        assert e["library"] is not None or e["reason"], e
 
 
 PA8 = ["--set", "num_q_heads=8", "--set", "num_kv_heads=4", "--set", "head_dim=8", "--set", "q_dtype=fp32",
