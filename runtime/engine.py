@@ -139,11 +139,10 @@ class Engine:
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}; engine options are {sorted(f.name for f in fields(EngineConfig))}, "
                             f"scheduler options are {sorted(names)}")
-        for name in ("page_size", "num_pages", "max_num_seqs", "max_model_len", "num_cpu_pages"):
-            v = kw.get(name)
-            lo = 0 if name == "num_cpu_pages" else 1
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        v = kw.get("max_model_len")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"max_model_len must be an int >= 1, got {v!r}")
+        SchedulerConfig(**{**kw, "max_model_len": None})  # the other options' own checks, before the model loads
 
     def _page_bytes(self, cfg, page_size: int) -> int:
         return cfg.num_layers * 2 * page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize

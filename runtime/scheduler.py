@@ -38,8 +38,10 @@ class SchedulerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not isinstance(self.num_cpu_pages, int) or self.num_cpu_pages < 0:
+        if not isinstance(self.num_cpu_pages, int) or isinstance(self.num_cpu_pages, bool) or self.num_cpu_pages < 0:
             raise ValueError(f"num_cpu_pages must be an int >= 0, got {self.num_cpu_pages!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.preemption not in PREEMPTION_MODES:

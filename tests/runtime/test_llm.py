@@ -211,8 +211,13 @@ def test_bad_requests_get_clear_errors(stories):
     (dict(policy="lifo"), "policy must be one of"),
     (dict(preemption="drop"), "preemption must be one of"),
     (dict(max_num_seqs=True), "max_num_seqs must be an int >= 1"),
+    (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be a bool"),
 ])
-def test_engine_options_are_checked_with_their_range(stories, kw, message):
+def test_engine_options_are_checked_with_their_range(stories, kw, message, monkeypatch):
+    from uacompile.runtime import engine
+
+    if not any(m in message for m in ("kv_cache_bytes=1 ", "max_model_len=64", "max_position_embeddings")):  # need the model
+        monkeypatch.setattr(engine, "load", lambda path: pytest.fail("the option was checked after loading the model"))
     with pytest.raises(ValueError, match=message):
         make(stories, **kw)
 
