@@ -70,6 +70,7 @@ def test_readme_cpu_torch_command_pins_the_extras_torch():
     assert cpu and pins == {cpu.group(1)}, (pins, cpu)
 
 
+@pytest.mark.slow  # a cold build of the default set (minutes); CI's slow step runs it
 def test_readme_build_command_on_a_fresh_copy(tmp_path):
     """Command 1 as written, in a fresh copy and venv: installs, builds the default set, tells the story."""
     clone, env = fresh_copy(tmp_path), venv_env(tmp_path)
@@ -91,6 +92,7 @@ def test_readme_build_command_on_a_fresh_copy(tmp_path):
     assert out[0] == "True" and str(clone) not in out[1], out
 
 
+@pytest.mark.slow  # a second editable install; .ci/run runs the same command for real
 def test_readme_test_command_installs_and_collects(tmp_path):
     """Command 2's install as written in a fresh copy and venv, and its pytest collecting there (.ci/run runs it)."""
     clone, env = fresh_copy(tmp_path), venv_env(tmp_path)
