@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -28,6 +29,8 @@ from .trace import NullTracer, TracedKernels
 log = logging.getLogger("uacompile.runtime")
 GPU_TOKEN_BUDGET = 8192  # CUDA default token budget of a step (and prefill chunk)
 DTYPES = {ir.DTYPES[d].torch: ir.torch_dtype(d) for d in ir.FLOAT_DTYPES}  # EngineConfig.dtype: torch's names
+SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes
+BACKENDS = ("auto", "tvm-cpu", "cuda", "tvm-cuda", "reference")
 
 
 @dataclass
@@ -87,12 +90,41 @@ class EngineConfig:
     progress: bool = True             # progress bars at start-up (kernel builds, graph captures)
     attention_variant: str = "ua"     # ua | unified_masked (llama.cpp's unified KV buffer, a measured baseline)
     kernel_dir: str | None = None     # tvm-cuda: a `uacompile build --target cuda` folder of prebuilt kernels (no TVM here)
+    log_stats_interval: float = 10.0  # seconds between throughput lines at INFO (0 = none)
+
+    def __post_init__(self):
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)} or None, got {self.dtype!r}")
+        if self.kernel_backend not in BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {', '.join(BACKENDS)}, got {self.kernel_backend!r}")
+        if self.kv_cache_bytes is not None and (not is_int(self.kv_cache_bytes) or self.kv_cache_bytes < 1):
+            raise ValueError(f"kv_cache_bytes must be an int >= 1 (bytes) or None, got {self.kv_cache_bytes!r}")
+        if not is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be an int in [0, 2**64 - 1], got {self.seed!r}")
+        if self.cpu_threads is not None and (not is_int(self.cpu_threads) or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be an int >= 1 or None, got {self.cpu_threads!r}")
+        if isinstance(self.log_stats_interval, bool) or not isinstance(self.log_stats_interval, (int, float)) \
+                or not 0 <= self.log_stats_interval < float("inf"):
+            raise ValueError(f"log_stats_interval must be a finite number of seconds >= 0, got {self.log_stats_interval!r}")
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
+                or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("cuda_graphs", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.attention_variant not in ("ua", "unified_masked"):
+            raise ValueError(f"attention_variant must be 'ua' or 'unified_masked', got {self.attention_variant!r}")
+        if self.kernel_dir is not None and not isinstance(self.kernel_dir, str):
+            raise ValueError(f"kernel_dir must be a folder path (str) or None, got {self.kernel_dir!r}")
 
 
 def _pick_dtype(ec: EngineConfig, checkpoint_dtype: str) -> torch.dtype:
     if ec.dtype is not None:
-        if ec.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {ec.dtype!r}")
         return DTYPES[ec.dtype]
     if ec.device == "cpu":
         return torch.float32
@@ -102,12 +134,14 @@ def _pick_dtype(ec: EngineConfig, checkpoint_dtype: str) -> torch.dtype:
 class Engine:
     def __init__(self, model: "str | LoadedModel", engine_config: EngineConfig | None = None, **scheduler_kwargs):
         ec = self.engine_config = engine_config or EngineConfig()
-        if ec.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {ec.device!r}")
+        if not isinstance(ec, EngineConfig):
+            raise TypeError(f"engine_config must be an EngineConfig, got {type(ec).__name__}")
         if ec.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA GPU")
+        self._check_scheduler_kwargs(scheduler_kwargs)
         if ec.cpu_threads is not None:
             torch.set_num_threads(ec.cpu_threads)  # tiny models on a busy CPU run faster on one thread
+        t0 = time.perf_counter()
         loaded = model if isinstance(model, LoadedModel) else load(model)
         cfg, self.tokenizer = loaded.config, loaded.tokenizer
         self.dtype = _pick_dtype(ec, cfg.torch_dtype)
@@ -116,20 +150,29 @@ class Engine:
         else:
             self.model = LlamaForCausalLM.from_weights(cfg, loaded.weights, ec.device, self.dtype)
         del loaded
+        log.info("model loaded in %.2f s: %s (%s, %d layers, %d/%d heads, head_dim %d, vocab %d), %s on %s",
+                 time.perf_counter() - t0, "random weights" if isinstance(model, LoadedModel) else model, cfg.arch, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+                 cfg.head_dim, cfg.vocab_size, str(self.dtype).removeprefix("torch."), ec.device)
         sc = self._scheduler_config(cfg, scheduler_kwargs)
         self.scheduler = Scheduler(sc)
         ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sc.page_size, self.dtype,
                                   cfg.sliding_window, ec.attention_variant)
+        t0 = time.perf_counter()
         self.kernels = make_backend(ec.kernel_backend, ops, ec.device, ec.kernel_dir)
         self.model.use_kernels(self.kernels)  # the layer ops (norms, SiLU-and-mul, RoPE) on the backend's kernels
         built = self.kernels.prepare(sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len, ec.progress)
-        if built["kernels"]:
-            log.info("kernels: %d ready in %.1f s (%d libraries from the cache)", built["kernels"], built["seconds"],
-                     built["cached"])
+        log.info("kernels ready in %.2f s (%s backend; %d prepared, %d libraries from the cache)",
+                 time.perf_counter() - t0, self.kernels.name, built["kernels"], built["cached"])
         self.executor = Executor(self.model, self.kernels, sc.num_pages, sc.num_cpu_pages, sc.page_size,
                                  ec.device, self.dtype)
+        page_bytes = self._page_bytes(cfg, sc.page_size)
+        log.info("KV cache: %d pages of %d tokens (%d tokens), %.4g GB on %s; swap pool %d pages (%.4g GB); "
+                 "max_model_len %d", sc.num_pages, sc.page_size, sc.num_pages * sc.page_size,
+                 sc.num_pages * page_bytes / 1e9, ec.device, sc.num_cpu_pages, sc.num_cpu_pages * page_bytes / 1e9,
+                 sc.max_model_len)
         if ec.device == "cuda" and ec.cuda_graphs:
             self.executor.capture_graphs(sc.max_num_seqs, sc.max_model_len, ec.progress)
+        self._stats = {"t": time.monotonic(), "prompt": 0, "generated": 0}
         self.sampler = Sampler(ec.seed)
         self.tracer = NullTracer()
         self.requests: dict[int, Request] = {}
@@ -137,32 +180,57 @@ class Engine:
         self._ids = itertools.count()
 
     # ---- construction ---------------------------------------------------------------------------
-    def _scheduler_config(self, cfg, kw: dict) -> SchedulerConfig:
+    @staticmethod
+    def _check_scheduler_kwargs(kw: dict) -> None:
+        """Unknown names and bad values fail here, before the model loads (SchedulerConfig checks the rest)."""
         names = {f.name for f in fields(SchedulerConfig)}
         unknown = sorted(set(kw) - names)
         if unknown:
-            raise TypeError(f"unknown engine arguments {unknown}; scheduler options are {sorted(names)}")
+            raise TypeError(f"unknown engine arguments {unknown}; engine options are {sorted(f.name for f in fields(EngineConfig))}, "
+                            f"scheduler options are {sorted(names)}")
+        v = kw.get("max_model_len")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"max_model_len must be an int >= 1, got {v!r}")
+        SchedulerConfig(**{**kw, "max_model_len": None})  # the other options' own checks, before the model loads
+
+    def _page_bytes(self, cfg, page_size: int) -> int:
+        return cfg.num_layers * 2 * page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+
+    def _scheduler_config(self, cfg, kw: dict) -> SchedulerConfig:
         kw = dict(kw)
         if self.engine_config.device == "cuda":  # a GPU step takes thousands of tokens at the matmul rate
             kw.setdefault("max_num_batched_tokens", GPU_TOKEN_BUDGET)
             kw.setdefault("max_prefill_chunk", kw["max_num_batched_tokens"])
         P = kw.setdefault("page_size", 16)
-        if not isinstance(P, int) or isinstance(P, bool) or P < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {P!r}")
-        max_len = min(kw.get("max_model_len") or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        max_pos = cfg.max_position_embeddings
+        asked = kw.get("max_model_len")
+        if asked is not None and asked > max_pos:
+            raise ValueError(f"max_model_len must be in [1, {max_pos}] (the model's max_position_embeddings), "
+                             f"got {asked}")
+        max_len = asked or max_pos
+        page_bytes = self._page_bytes(cfg, P)
         if kw.get("num_pages") is None:
-            page_bytes = cfg.num_layers * 2 * P * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
             budget = self.engine_config.kv_cache_bytes or self._default_kv_budget(kw)
-            want = kw.get("max_num_seqs", 32) * -(-max_len // P)  # every running sequence at full length
+            if budget < page_bytes and (self.engine_config.kv_cache_bytes or self.engine_config.device != "cuda"):
+                raise ValueError(f"kv_cache_bytes={budget} holds no KV page: one page of {P} tokens takes "
+                                 f"{page_bytes} bytes for this model")
             if budget // page_bytes < -(-max_len // P) and self.engine_config.device == "cuda" \
                     and not self.engine_config.kv_cache_bytes:
                 raise ValueError(f"the KV cache budget ({budget / 2**30:.2f} GiB: {self.memory.describe()}) "
                                  f"holds {max(0, budget // page_bytes)} pages, fewer than one sequence of "
                                  f"max_model_len={max_len} needs ({-(-max_len // P)}); lower max_model_len or "
                                  f"max_num_batched_tokens, or raise gpu_memory_utilization")
-            kw["num_pages"] = max(1, min(want, budget // page_bytes))
+            want = kw.get("max_num_seqs", 32) * -(-max_len // P)  # every running sequence at full length
+            kw["num_pages"] = min(want, budget // page_bytes)
         kw.setdefault("num_cpu_pages", kw["num_pages"] if kw.get("preemption") == "swap" else 0)
-        kw["max_model_len"] = min(max_len, kw["num_pages"] * P)
+        capacity = kw["num_pages"] * P
+        if asked is not None and asked > capacity:
+            raise ValueError(f"max_model_len={asked} does not fit the KV cache: {kw['num_pages']} pages of {P} "
+                             f"tokens hold {capacity} (raise kv_cache_bytes or num_pages, or lower max_model_len)")
+        if asked is None and capacity < max_pos:
+            log.warning("max_model_len = %d, what the KV cache's %d pages hold (the model allows %d; raise "
+                        "kv_cache_bytes or num_pages for more)", capacity, kw["num_pages"], max_pos)
+        kw["max_model_len"] = min(max_len, capacity)
         return SchedulerConfig(**kw)
 
     def _default_kv_budget(self, kw: dict) -> int:
@@ -258,6 +326,7 @@ class Engine:
                 sampled = self.sampler.sample(seqs, logits)
             with tr.span("update", "scheduler"):
                 self.scheduler.update(batch, sampled.tokens)
+                self._log_stats(batch, len(sampled.tokens))
                 return self._collect(seqs, sampled)
 
     def _collect(self, seqs: list[Sequence], sampled) -> StepOutput:
@@ -318,6 +387,21 @@ class Engine:
                 for i, s in enumerate(req.seqs)]
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
                              all(s.is_finished for s in req.seqs))
+
+    def _log_stats(self, batch, num_sampled: int) -> None:
+        """Throughput at INFO every log_stats_interval seconds (counted whatever the log level)."""
+        st = self._stats
+        st["generated"] += num_sampled
+        st["prompt"] += batch.num_tokens - num_sampled  # tokens computed that drew no sample
+        interval = self.engine_config.log_stats_interval
+        now = time.monotonic()
+        if interval and now - st["t"] >= interval:
+            dt = now - st["t"]
+            s = self.scheduler.stats()
+            log.info("throughput: %.1f prefill tok/s, %.1f generated tok/s; %d running, %d waiting, %d swapped; "
+                     "KV usage %.0f%%; %d preemptions so far", st["prompt"] / dt, st["generated"] / dt,
+                     s["num_running"], s["num_waiting"], s["num_swapped"], 100 * s["kv_usage"], s["num_preemptions"])
+            st.update(t=now, prompt=0, generated=0)
 
     def run_until_done(self) -> None:
         while self.has_unfinished():

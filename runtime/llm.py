@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 
 from .engine import CompletionOutput, Engine, EngineConfig, RequestOutput
 from .sequence import SamplingParams
@@ -14,12 +15,15 @@ class LLM:
 
     Engine options: device ("cpu" | "cuda"), dtype, kernel_backend ("auto" | "tvm-cpu" | "cuda" | "tvm-cuda" |
     "reference"), kernel_dir (prebuilt TVM-CUDA kernels: a `uacompile build --target cuda` folder),
-    kv_cache_bytes, seed. Everything else goes to SchedulerConfig (page_size,
+    kv_cache_bytes, seed, cpu_threads, log_stats_interval, gpu_memory_utilization, cuda_graphs, progress,
+    attention_variant. Everything else goes to SchedulerConfig (page_size,
     num_pages, num_cpu_pages, max_num_seqs, max_num_batched_tokens, max_prefill_chunk, policy,
     preemption, enable_prefix_caching, max_model_len).
     """
 
-    def __init__(self, model: str, device: str = "cpu", **kwargs):
+    def __init__(self, model: str | Path, device: str = "cpu", **kwargs):
+        if not isinstance(model, (str, Path)):
+            raise TypeError(f"model must be a path (str or pathlib.Path), got {type(model).__name__}")
         engine_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in ENGINE_OPTIONS}
         self.engine = Engine(model, EngineConfig(device=device, **engine_kw), **kwargs)
         self.tokenizer = self.engine.tokenizer
@@ -36,9 +40,11 @@ class LLM:
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        priorities = priorities or [0] * len(prompts)
+        priorities = [0] * len(prompts) if priorities is None else list(priorities)
         if len(priorities) != len(prompts):
             raise ValueError(f"priorities has {len(priorities)} entries for {len(prompts)} prompts")
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in priorities):
+            raise ValueError(f"priorities must be ints (lower = more important), got {priorities!r}")
         engine = self.engine
         ids = []
         try:

@@ -57,9 +57,10 @@ GGUF_NAMES = {
 
 
 def models_dir() -> Path:
-    """Where the shared test/demo models live: $UACOMPILE_MODELS_DIR, else ../shared/models beside the repo."""
-    env = os.environ.get("UACOMPILE_MODELS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "models"
+    """The folder of the models shipped in the package (uacompile.models: stories260K.gguf)."""
+    from uacompile import models
+
+    return models.DIR
 
 
 @dataclass
@@ -218,6 +219,11 @@ def load_hf(model_dir: Path) -> LoadedModel:
         raise ValueError(f"{model_dir}: model_type {arch!r} is not supported (supported: {HF_ARCHS})")
     if raw.get("use_sliding_window"):
         raise ValueError(f"{model_dir}: {arch} with use_sliding_window=true is not supported")
+    for key in ("num_attention_heads", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+        v = raw.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{model_dir}/config.json: {key} must be an int >= 1, "
+                             f"{'is missing' if key not in raw else f'got {v!r}'}")
     H = raw["num_attention_heads"]
     theta, scaling = _hf_rope(raw)
     eos = raw.get("eos_token_id")

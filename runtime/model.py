@@ -64,7 +64,7 @@ class ModelConfig:
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Per-pair inverse frequencies [head_dim/2] (float64), with transformers' rope scaling rules."""
     D = cfg.head_dim
-    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64, device="cpu") / D)
     rs = cfg.rope_scaling or {}
     kind = rs.get("rope_type", "default")
     if kind == "linear":
@@ -184,7 +184,9 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # an explicit weight skips the random init (normal_ on the meta device imports torch._dynamo)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -263,11 +265,8 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], device="cpu",
                      dtype: torch.dtype = torch.float32) -> "LlamaForCausalLM":
-        with torch.device("meta"):  # skip the random init of weights that are overwritten anyway
+        with torch.device("meta"):  # no memory and no random init for weights that load_weights replaces
             model = cls(cfg)
-        model = model.to_empty(device="cpu")
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
         model.load_weights(weights)
         model._refresh_rope()  # rope_freqs were just loaded, at full precision
         model.fuse()  # on the CPU, before the move: the device never holds both copies
@@ -299,7 +298,8 @@ class LlamaForCausalLM(nn.Module):
         return model.eval()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Strict load by HF name: a missing or unexpected tensor, or a wrong shape, is a ValueError."""
+        """Strict load by HF name: a missing or unexpected tensor, or a wrong shape, is a ValueError.
+        The checkpoint's tensors (in the model's dtype) take the parameters' places."""
         own = dict(self.named_parameters())
         own.update({n: b for n, b in self.named_buffers() if n == "rope_freqs"})
         if self.cfg.tie_word_embeddings:
@@ -310,10 +310,11 @@ class LlamaForCausalLM(nn.Module):
         for what, names in (("is missing", missing), ("has unexpected", unexpected)):
             if names:
                 raise ValueError(f"checkpoint {what} tensors: {names[:5]}{' ...' if len(names) > 5 else ''}")
-        with torch.no_grad():
-            for name, t in own.items():
-                w = weights[name]
-                if tuple(w.shape) != tuple(t.shape):
-                    raise ValueError(f"tensor {name}: shape {tuple(w.shape)} does not match the config's "
-                                     f"{tuple(t.shape)}")
-                t.copy_(w.to(t.dtype))
+        for name, t in own.items():
+            w = weights[name]
+            if tuple(w.shape) != tuple(t.shape):
+                raise ValueError(f"tensor {name}: shape {tuple(w.shape)} does not match the config's "
+                                 f"{tuple(t.shape)}")
+        self.load_state_dict({name: weights[name].to(t.dtype) for name, t in own.items()}, strict=False, assign=True)
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight

@@ -7,6 +7,24 @@ filtered by top-k, top-p and min-p, and sampled by the exponential race argmax(p
 q ~ Exp(1). Each sequence draws q from its own torch.Generator (seeded by SamplingParams.seed, else
 from the sampler's seed stream), one draw per token, and every op is row-wise, so a seeded request
 gives the same tokens alone or in any batch.
+
+What is guaranteed (tests/runtime/test_sampling_guarantees.py checks each):
+
+1. Each sequence draws from its own generator (seeded by SamplingParams.seed, else by the
+   engine's seed stream in arrival order), one draw per sampled token: other requests in the
+   batch never consume or shift its random numbers. Given the same logits, a seeded request
+   samples the same tokens alone or in any batch.
+2. The same requests, added in the same order with the same engine options, give the same
+   tokens on every run on one machine and backend, preemptions included.
+
+What is not guaranteed: the same tokens for a request alone and in a batch, or with and
+without a preemption. The logits themselves change in the last bits with the batch around a
+sequence (matmuls over a different number of rows are blocked differently) and when a
+preempted sequence recomputes its tokens as one prefill instead of one decode at a time
+(stories260K in float32 on the CPU: most rows differ, by up to about 3e-5). A draw within
+that distance of the boundary between two tokens (or a top-p cut) takes the other token,
+and the text diverges from there; greedy decoding diverges likewise where the top two
+logits are that close. Seeded sampling is reproducible run to run, not batch to batch.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ finish(seq, reason).
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field, replace
 
 from .kv_manager import KVManager
@@ -15,7 +16,8 @@ from .sequence import Sequence, SequenceStatus
 
 POLICIES = ("fcfs", "sjf", "priority", "prefix")
 PREEMPTION_MODES = ("recompute", "swap")
-_child_ids = itertools.count(1 << 40)  # ids for forked children, far from the engine's own counter
+_child_ids = itertools.count(1 << 40)
+log = logging.getLogger(__name__)  # ids for forked children, far from the engine's own counter
 
 
 @dataclass
@@ -36,8 +38,10 @@ class SchedulerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not isinstance(self.num_cpu_pages, int) or self.num_cpu_pages < 0:
+        if not isinstance(self.num_cpu_pages, int) or isinstance(self.num_cpu_pages, bool) or self.num_cpu_pages < 0:
             raise ValueError(f"num_cpu_pages must be an int >= 0, got {self.num_cpu_pages!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.preemption not in PREEMPTION_MODES:
@@ -102,7 +106,7 @@ class Scheduler:
         """n-way sampling: returns n - 1 children (seq is sample 0). Call it right after add(seq).
         Children wait until seq's prompt is computed, then share its pages copy-on-write and each
         recompute the last prompt token to draw its own first sample. A seeded parent's children
-        get seeds seed + 1, seed + 2, ..."""
+        get seeds seed + 1, seed + 2, ... (mod 2**64)"""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"fork: n must be an int >= 1, got {n!r}")
         if seq.num_output_tokens or seq.status is SequenceStatus.FINISHED:
@@ -112,7 +116,7 @@ class Scheduler:
         ids = child_ids or [next(_child_ids) for _ in range(n - 1)]
         children = []
         for i, cid in enumerate(ids, 1):
-            params = replace(seq.params, n=1, seed=None if seq.params.seed is None else seq.params.seed + i)
+            params = replace(seq.params, n=1, seed=None if seq.params.seed is None else (seq.params.seed + i) % 2**64)
             children.append(Sequence(cid, seq.prompt_token_ids, seq.num_prompt_tokens, params, seq.priority,
                                      seq.arrival_time, parent_id=seq.seq_id))
         self.parked.setdefault(seq.seq_id, []).extend(children)  # update() releases them
@@ -219,6 +223,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.swap_in.extend(mapping)
+            log.info("swapped sequence %d back in: %d pages", seq.seq_id, len(mapping))
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, c.max_prefill_chunk)
             if len(batch.seqs) < c.max_num_seqs and (copies := kv.allocate_slots(seq, num_new)) is not None:
                 take(seq, num_new, copies)
@@ -259,7 +264,11 @@ class Scheduler:
             self.num_swap_outs += 1
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
+            log.info("preempted sequence %d by swap: %d pages to the CPU pool (%d preemptions so far)",
+                     seq.seq_id, len(mapping), self.num_preemptions)
         else:
+            log.info("preempted sequence %d by recompute: %d tokens to compute again (%d preemptions so far)",
+                     seq.seq_id, seq.num_computed_tokens, self.num_preemptions)
             self.kv.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING

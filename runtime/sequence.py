@@ -85,6 +85,8 @@ class SamplingParams:
                     for k, v in self.logit_bias.items()):
                 raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], "
                                  f"got {self.logit_bias!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:

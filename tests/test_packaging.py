@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ["uacompile", "uacompile.lower", "uacompile.runtime", "uacompile.targets", "uacompile.targets.cuda",
-               "uacompile.targets.ascend", "uacompile.templates"]
+               "uacompile.targets.ascend", "uacompile.templates", "uacompile.models"]
 PROBE = ("import importlib, json, sys; "
          f"mods = {SUBPACKAGES!r}; "
          "print(json.dumps({m: importlib.import_module(m).__file__ for m in mods}))")
@@ -37,6 +37,7 @@ def test_regular_install_imports_every_subpackage(tmp_path):
     assert any(n.startswith("uacompile/templates/ascend/") and n.endswith(".j2") for n in names), "Ascend templates missing"
     assert "uacompile/targets/cuda/include/uacompile/common.cuh" in names, "CUDA kernel headers missing"
     assert any(n.startswith("uacompile/runtime/") for n in names)
+    assert "uacompile/models/stories260K.gguf" in names and "uacompile/models/README.md" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "uacompile = uacompile.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
@@ -47,3 +48,16 @@ def test_editable_install_maps_folders_into_the_package(tmp_path):
     assert files["uacompile.targets.cuda"] == ROOT / "targets" / "cuda" / "__init__.py"
     assert files["uacompile.targets.ascend"] == ROOT / "targets" / "ascend" / "__init__.py"
     assert files["uacompile.templates"] == ROOT / "templates" / "__init__.py"
+    assert files["uacompile.models"] == ROOT / "models" / "__init__.py"
+
+
+def test_shipped_model_is_the_one_models_readme_describes():
+    import hashlib
+    import re
+
+    from uacompile.models import STORIES260K
+
+    card = (ROOT / "models" / "README.md").read_text()
+    sha = re.search(r"`([0-9a-f]{64})`", card).group(1)
+    assert hashlib.sha256(STORIES260K.read_bytes()).hexdigest() == sha
+    assert f"{STORIES260K.stat().st_size:,} bytes" in card and "MIT" in card

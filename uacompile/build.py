@@ -65,6 +65,15 @@ LOWERINGS = {
 }
 
 
+# (target, lowering) -> "module:function" returning {file name: text}: sources only, no compiler run
+SOURCES = {
+    ("cpu", "tvm"): "uacompile.build:tvm_cpu_sources",
+    ("cuda", "tvm"): "uacompile.build:tvm_cuda_sources",
+    ("cuda", "jinja"): "uacompile.build:jinja_cuda_sources",
+    ("ascend", "jinja"): "uacompile.build:ascend_sources",
+}
+
+
 def lowerings_for(target: str) -> list[str]:
     return [low for (t, low) in LOWERINGS if t == target]
 
@@ -209,6 +218,39 @@ def _inside(path: Path, target: str, lowering: str) -> Path:
 def _lowering(target: str, lowering: str):
     mod, fn = LOWERINGS[(target, lowering)].split(":")
     return getattr(importlib.import_module(mod), fn)
+
+
+def generate_sources(op: OpSpec, target: str, lowering: str) -> dict[str, str]:
+    """The source files of op for (target, lowering), {file name: text}, without running a compiler.
+    IRError or NotImplementedError when the lowering has no kernel for the variant."""
+    if (target, lowering) not in SOURCES:
+        raise ValueError(f"no lowering {lowering!r} for target {target!r}; have {lowerings_for(target)}")
+    mod, fn = SOURCES[(target, lowering)].split(":")
+    return getattr(importlib.import_module(mod), fn)(op)
+
+
+def tvm_cpu_sources(op: OpSpec) -> dict[str, str]:
+    from .lower.tvm_kernels import prim_func
+
+    return {f"{op.symbol()}.tir.py": prim_func(op, "cpu").script()}
+
+
+def tvm_cuda_sources(op: OpSpec, arch: str = "sm_90") -> dict[str, str]:
+    from .lower.tvm_cuda import cuda_source
+
+    return {f"{op.symbol()}_{arch}.cu": cuda_source(op, arch)}
+
+
+def jinja_cuda_sources(op: OpSpec, arch: str = "sm_90") -> dict[str, str]:
+    from .targets.cuda.render import render_op
+
+    return {f"{op.symbol()}_{arch}.cu": render_op(op, arch)}
+
+
+def ascend_sources(op: OpSpec) -> dict[str, str]:
+    from .targets.ascend.generate import generate
+
+    return dict(generate(op).files)
 
 
 def build_one(op: OpSpec | Kernel, target: str, lowering: str, out_dir: Path) -> dict:

@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Callable
 
 
+class CacheError(OSError):
+    """The cache folder cannot take a new artefact."""
+
+
 def cache_dir() -> Path:
     env = os.environ.get("UACOMPILE_CACHE_DIR")
     if env:
@@ -69,8 +73,12 @@ def cached_build(kind: str, key: str, build: Callable[[Path], None]) -> tuple[Pa
     final = cache_dir() / kind / key
     if (final / ".done").exists():
         return final, True
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=final.parent))
+    except OSError as e:
+        raise CacheError(f"kernel cache {cache_dir()} is not writable ({e.strerror or e}); "
+                         "set UACOMPILE_CACHE_DIR to a writable folder") from None
     try:
         build(tmp)
         (tmp / ".done").write_text("")

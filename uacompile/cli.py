@@ -1,13 +1,26 @@
-"""`uacompile` command line: build kernel sets, generate one kernel's source, show op docs, serve a
-model over an OpenAI-compatible API, benchmark a server."""
+"""`uacompile` command line: build kernel sets, generate one kernel's source, show op docs, tune run configs,
+serve a model over an OpenAI-compatible API, benchmark a server.
+
+Bad input (a flag, a value, a path) answers with one line on stderr and exit status 2; --debug
+shows the traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
-import json
+import math
+import os
 import sys
+import tempfile
+import typing
 from pathlib import Path
 
 from .errors import IRError
+
+BOOLS = {"true": True, "1": True, "false": False, "0": False}
+
+
+class UsageError(ValueError):
+    """A bad flag, value or path: one line, exit 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -15,62 +28,160 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"uacompile: error: {message}\n")
 
 
-def _value(text: str):
-    """--set values: JSON scalars (3, 0.5, true, null) or bare strings (bf16)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+# ---------------------------------------------------------------- values
+def _field_types(cls) -> dict:
+    return typing.get_type_hints(cls)
 
 
-def _parse_sets(pairs: list[str]) -> dict:
-    out = {}
+def _value(cls, key: str, text: str):
+    """--set KEY=TEXT as the op field's type: bool (true/false/1/0 only), int, float, str, or None."""
+    hint = _field_types(cls).get(key)
+    if hint is None:
+        return text  # not a field: op_from_dict names the fields
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if optional and text.lower() in ("none", "null"):
+        return None
+    where = f"--set {key}={text}"
+    if base is bool:
+        if text.lower() not in BOOLS:
+            raise UsageError(f"{where}: {key} is a boolean: use true, false, 1 or 0")
+        return BOOLS[text.lower()]
+    if base is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise UsageError(f"{where}: {key} must be an integer") from None
+    if base is float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise UsageError(f"{where}: {key} must be a number{' or none' if optional else ''}") from None
+        if not math.isfinite(v):
+            raise UsageError(f"{where}: {key} must be a finite number")
+        return v
+    return text
+
+
+def _sets(kind: str, pairs: list[str]) -> dict:
+    """--set key=value pairs as the op's typed fields."""
+    from .ir import OPS
+
+    cls, fields = OPS[kind], {}
     for pair in pairs:
-        key, sep, val = pair.partition("=")
+        key, sep, text = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--set expects key=value, got {pair!r}")
-        out[key] = _value(val)
-    return out
+            raise UsageError(f"--set expects key=value, got {pair!r}")
+        fields[key] = _value(cls, key, text)
+    return fields
 
 
+def _op(kind: str, pairs: list[str]):
+    from .ir import op_from_dict
+
+    return op_from_dict({"op": kind, **_sets(kind, pairs)})
+
+
+# ---------------------------------------------------------------- paths
+def _writable_dir(flag: str, text: str) -> Path:
+    """--out as a directory: created if missing; must take a new file."""
+    if not text:
+        raise UsageError(f"{flag}: must not be empty")
+    p = Path(text)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{flag} {text}: is a file, not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {text}: cannot write there ({e.strerror or e})") from None
+    return p
+
+
+def _writable_file(flag: str, text: str) -> Path:
+    """--out as a file: its folder must exist and take a new file."""
+    if not text:
+        raise UsageError(f"{flag}: must not be empty")
+    p = Path(text)
+    if p.is_dir():
+        raise UsageError(f"{flag} {text}: is a directory; give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {text}: directory {parent} does not exist")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise UsageError(f"{flag} {text}: not writable")
+    return p
+
+
+def _write(flag: str, path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write ({e.strerror or e})") from None
+
+
+# ---------------------------------------------------------------- commands
 def cmd_build(args) -> int:
     from .build import DEFAULT_TARGETS, TARGETS, build_set
     from .tunedb import TuningDB, default_db_path
 
+    out = _writable_dir("--out", args.out)
     targets = {"all": TARGETS, None: DEFAULT_TARGETS}.get(args.target, (args.target,))
     db_path = Path(args.tuning_db) if args.tuning_db else default_db_path()
     db = None if args.no_tuned or not db_path.exists() else TuningDB.open(db_path)
-    manifest = build_set(args.preset, targets, Path(args.out), progress=not args.quiet, tuning=db)
+    manifest = build_set(args.preset, targets, out, progress=not args.quiet, tuning=db)
     built = sum(e["library"] is not None for e in manifest["kernels"])
-    print(f"{built}/{len(manifest['kernels'])} kernels built -> {Path(args.out) / 'manifest.json'}")
+    print(f"{built}/{len(manifest['kernels'])} kernels built -> {out / 'manifest.json'}")
     for e in manifest["kernels"]:
-        if e["library"] is None:
-            print(f"  not built: {e['target']}/{e['lowering']} {e['op']}: {e['reason']}")
+        if e["library"] is None:  # the symbol tells variants of one op apart
+            print(f"  not built: {e['target']}/{e['lowering']} {e['symbol']}: {e['reason']}")
     return 0
 
 
 def cmd_generate(args) -> int:
-    from .build import LOWERINGS, lowerings_for
-    from .ir import op_from_dict
+    from .build import generate_sources, lowerings_for
 
-    op = op_from_dict({"op": args.op, **_parse_sets(args.set)})
+    op = _op(args.op, args.set)
     lowering = args.lowering or lowerings_for(args.target)[-1]
-    if (args.target, lowering) not in LOWERINGS:
-        raise ValueError(f"no lowering {lowering!r} for target {args.target!r}; have {lowerings_for(args.target)}")
-    from .build import build_one
+    if lowering not in lowerings_for(args.target):
+        raise UsageError(f"--lowering {lowering}: target {args.target} has {lowerings_for(args.target)}")
+    many = args.target == "ascend"  # a project of several files
+    out = None
+    if args.out is not None:
+        out = _writable_dir("--out", args.out) if many else _writable_file("--out", args.out)
+    try:
+        files = generate_sources(op, args.target, lowering)
+    except NotImplementedError as e:
+        raise UsageError(f"{args.target}/{lowering} has no {args.op} kernel for this variant: {e}") from None
+    if out is None:
+        for name, text in files.items():
+            if len(files) > 1:
+                sys.stdout.write(f"// ---- {name}\n")
+            sys.stdout.write(text)
+        return 0
+    for name, text in files.items():
+        path = out / name if many else out
+        _write("--out", path, text)
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
 
-    import tempfile
 
-    with tempfile.TemporaryDirectory() as tmp:
-        entry = build_one(op, args.target, lowering, Path(tmp))
-        if entry["source"] is None:
-            raise ValueError(f"cannot generate {args.op} for {args.target}/{lowering}: {entry['reason']}")
-        text = Path(entry["source"]).read_text()
-    if args.out:
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out} ({entry['symbol']})", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
+def cmd_ops(args) -> int:
+    from .ir import OPS, describe, reference_doc
+
+    if args.markdown:
+        print(reference_doc())
+        return 0
+    if args.op:
+        print(describe(_op(args.op, args.set)))
+        return 0
+    if args.set:
+        raise UsageError("--set needs --op")
+    width = max(map(len, OPS))
+    for name, cls in OPS.items():
+        print(f"{name:<{width}}  {(cls.__doc__ or '').strip().splitlines()[0]}")
     return 0
 
 
@@ -101,7 +212,7 @@ def cmd_tune(args) -> int:
         raise ValueError("tune: give --preset NAME or --op OP (or --show)")
     if args.set and args.op is None:
         raise ValueError("tune: --set changes the fields of --op's op")
-    ops = ops_to_tune(args.target, args.preset, args.op, _parse_sets(args.set))
+    ops = ops_to_tune(args.target, args.preset, args.op, _sets(args.op, args.set))
     shapes = parse_shapes(args.shapes or DEFAULT_SHAPES[args.target])
     space = make_space(args.target)
     results = []
@@ -119,21 +230,6 @@ def cmd_tune(args) -> int:
     return 1 if any(r.error for r in results) else 0
 
 
-def cmd_ops(args) -> int:
-    from .ir import OPS, describe, reference_doc
-
-    if args.markdown:
-        print(reference_doc())
-        return 0
-    for cls in OPS.values():
-        print((cls.__doc__ or "").strip().splitlines()[0])
-    if args.op:
-        from .ir import op_from_dict
-
-        print(describe(op_from_dict({"op": args.op, **_parse_sets(args.set)})))
-    return 0
-
-
 def cmd_serve(args) -> int:
     from .runtime.server import serve
 
@@ -146,6 +242,21 @@ def cmd_bench_serve(args) -> int:
     from .bench_serve import main as bench_main
 
     return bench_main(args)
+
+
+# ---------------------------------------------------------------- parser
+def _preset_help() -> str:
+    from .build import MODELS, PRESETS
+
+    lines = ["presets (each model gives paged_attention, its split-KV variant + merge_state, reshape_and_cache,",
+             "copy_blocks and swap_blocks):"]
+    for name, models in PRESETS.items():
+        lines.append(f"  {name}: {', '.join(models)}")
+    lines.append("models:")
+    for m in MODELS.values():
+        lines.append(f"  {m.name}: {m.num_q_heads} q heads, {m.num_kv_heads} kv heads, head_dim {m.head_dim}, "
+                     f"page {m.page_size}, {m.dtype}, {m.decode_splits} decode splits")
+    return "\n".join(lines)
 
 
 def _add_tune(sub) -> None:
@@ -214,32 +325,45 @@ def _add_bench(sub) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from . import __version__
     from .build import PRESETS, TARGETS
     from .ir import OPS
 
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an error")
     p = _Parser(prog="uacompile", description="Kernel compiler for paged attention and cache ops.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    b = sub.add_parser("build", help="build a preset kernel set and write DIR/manifest.json")
-    b.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    p.add_argument("--version", action="version", version=f"uacompile {__version__}")
+    p.add_argument("--debug", action="store_true", default=False, help="show the traceback of an error")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, help="one of:")
+    fmt = argparse.RawDescriptionHelpFormatter
+    b = sub.add_parser("build", parents=[common], help="build a preset kernel set and write DIR/manifest.json",
+                       epilog=_preset_help(), formatter_class=fmt)
+    b.add_argument("--preset", default="default", choices=sorted(PRESETS),
+                   help="which kernel set (listed below; default: default)")
     b.add_argument("--target", choices=[*TARGETS, "all"], default=None,
-                   help="default: cpu and cuda; all adds ascend")
-    b.add_argument("--out", default="uacompile-build")
+                   help="cpu, cuda or ascend (default: cpu and cuda; all adds ascend)")
+    b.add_argument("--out", default="uacompile-build", metavar="DIR",
+                   help="directory for the kernels and manifest.json, created if missing (default: uacompile-build)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--tuning-db", default=None, metavar="PATH",
                    help="add the tuned configs' kernels of this database (default: the user cache's, if any)")
     b.add_argument("--no-tuned", action="store_true", help="build the built-in rules' kernels only")
     b.set_defaults(func=cmd_build)
     _add_tune(sub)
-    g = sub.add_parser("generate", help="write one kernel's source")
-    g.add_argument("--op", required=True, choices=sorted(OPS))
-    g.add_argument("--target", required=True, choices=TARGETS)
-    g.add_argument("--lowering", choices=["tvm", "jinja"], default=None)
-    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="op field, e.g. head_dim=128")
-    g.add_argument("--out", default=None, help="file (default: stdout)")
+    g = sub.add_parser("generate", parents=[common], help="print or write one kernel's source (runs no compiler)")
+    g.add_argument("--op", required=True, choices=sorted(OPS), help="the op (see `uacompile ops`)")
+    g.add_argument("--target", required=True, choices=TARGETS, help="cpu (TVM TIR), cuda or ascend (AscendC)")
+    g.add_argument("--lowering", choices=["tvm", "jinja"], default=None,
+                   help="tvm or jinja (default: jinja for cuda and ascend, tvm for cpu)")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="op field, e.g. head_dim=128 (booleans: true/false/1/0; repeat for each field)")
+    g.add_argument("--out", default=None, metavar="PATH",
+                   help="file to write (ascend: a directory for its files); default: stdout")
     g.set_defaults(func=cmd_generate)
-    o = sub.add_parser("ops", help="list ops, or show one variant's parameters")
-    o.add_argument("--op", choices=sorted(OPS))
-    o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    o = sub.add_parser("ops", parents=[common], help="list the ops, or show one variant's parameters")
+    o.add_argument("--op", choices=sorted(OPS), help="show this op's kernel parameters")
+    o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="op field, as for generate")
     o.add_argument("--markdown", action="store_true", help="print docs/OPS.md")
     o.set_defaults(func=cmd_ops)
     _add_serve(sub)
@@ -250,13 +374,22 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # bare `uacompile`: the commands
+        parser.print_help()
+        return 0
     try:
         return args.func(args)
-    except (IRError, ValueError, TypeError, FileNotFoundError) as e:
-        print(f"uacompile: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        user = isinstance(e, (UsageError, IRError, ValueError, TypeError, OSError))
+        text = " ".join(str(e).split()) or type(e).__name__
+        text = text if len(text) <= 400 else text[:400] + " ..."
+        hint = "" if user else f" ({type(e).__name__}; --debug shows the traceback)"
+        print(f"uacompile: error: {text}{hint}", file=sys.stderr)
+        return 2 if user else 1
 
 
 if __name__ == "__main__":

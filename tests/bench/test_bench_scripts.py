@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+import torch  # noqa: F401
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if "__main__" in p.read_text())  # timing.py is a module
 
@@ -116,7 +116,7 @@ def test_rerender_rebuilds_the_report_from_a_json(tmp_path):
 
 def test_chart_draws_every_panel_from_a_run(tmp_path, monkeypatch):
     """bench/chart.py: the decode, prefill and cache-op panels of a run, its bars the JSON's numbers."""
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401
 
     monkeypatch.syspath_prepend(str(BENCH))
     chart = importlib.import_module("chart")
@@ -136,7 +136,6 @@ def test_chart_draws_every_panel_from_a_run(tmp_path, monkeypatch):
 def test_interleaved_timer_times_each_implementation(monkeypatch):
     """timing.time_graphs: a sample a round for each name; a list of fns counts per fn call; the
     longer work reads longer (a 4x bigger copy takes more time per call)."""
-    import torch
 
     monkeypatch.syspath_prepend(str(BENCH))
     timing = importlib.import_module("timing")
@@ -161,7 +160,6 @@ def test_power_reader_needs_nvml_and_says_so_by_an_empty_result(monkeypatch):
 def test_power_reader_reads_watts_joules_and_clock(monkeypatch):
     """timing.power_per_call on the device (nvidia-ml-py carried in .whl): each implementation alone, a
     positive draw and clock, and the 4x bigger copy costs more energy a call."""
-    import torch
 
     pytest.importorskip("pynvml")
     monkeypatch.syspath_prepend(str(BENCH))

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("tvm")
+import tvm  # noqa: F401
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -177,7 +177,7 @@ def test_attention_property_random_ubatches(data):
 
 
 def test_attention_torch_cpu_tensors(rng):
-    torch = pytest.importorskip("torch")
+    import torch
     op = PagedAttention(8, 2, 64, q_dtype="bf16", kv_dtype="bf16")
     inp = testing.attention_inputs(op, rng, [5, 40], [5, 1])
     as_torch = {k: torch.from_numpy(v.view(np.uint16)).view(torch.bfloat16) if v.dtype == numpy_dtype("bf16")
@@ -254,7 +254,7 @@ def test_reshape_and_cache_rope(rng, op):
 
 
 def test_reshape_and_cache_torch_fp8(rng):
-    torch = pytest.importorskip("torch")
+    import torch
     op = ReshapeAndCache(2, 32, page_size=8, dtype="fp16", kv_dtype="fp8_e4m3")
     inp = testing.reshape_and_cache_inputs(op, rng, 11, 4)
     want = {k: v.copy() for k, v in tensors(inp).items()}

@@ -4,7 +4,7 @@ or chunked."""
 import pytest
 
 from uacompile.runtime import LLM, SamplingParams
-from uacompile.runtime.loader import models_dir
+from uacompile.models import STORIES260K
 
 PROMPTS = ["Once upon a time", "Tom and his dog went to the park. They saw a big tree and a little bird.",
            [1], "Lily liked to", "The sun was hot and the sky was blue. Lily and Tom went to the beach to play"
@@ -14,14 +14,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def stories():
-    path = models_dir() / "stories260K.gguf"
-    if not path.exists():
-        pytest.skip(f"{path} not found (set UACOMPILE_MODELS_DIR to the folder holding stories260K.gguf)")
-    return str(path)
+    return str(STORIES260K)  # shipped in the package: a missing file fails, never skips
 
 
 def make(stories, **kw):
-    return LLM(stories, cpu_threads=1, **kw)
+    return LLM(stories, **{"cpu_threads": 1, **kw})
 
 
 def count_calls(llm, method: str) -> list:
@@ -115,13 +112,14 @@ def test_forced_preemption(stories, one_at_a_time, mode):
     assert bool(swaps) == (mode == "swap")
 
 
-def test_seeded_sampling_is_independent_of_batching(stories):
+def test_seeded_sampling_repeats_and_differs_by_seed(stories):
+    """What sampling.py guarantees is checked in test_sampling_guarantees.py; here: a seed repeats its
+    tokens on the same engine, and two seeds on the same prompt differ."""
     llm = make(stories)
     params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=40, max_tokens=20, seed=s) for s in (1, 2, 3)]
     prompts = ["Once upon a time", "Lily liked to", "Once upon a time"]
     together = tokens(llm.generate(prompts, params))
-    alone = [tokens(llm.generate([p], q))[0] for p, q in zip(prompts, params)]
-    assert together == alone
+    assert tokens(llm.generate(prompts, params)) == together
     assert together[0] != together[2]  # same prompt, different seed
 
 
@@ -195,6 +193,101 @@ def test_bad_requests_get_clear_errors(stories):
     assert len(llm.generate([[1]], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("kw,message", [
+    (dict(kv_cache_bytes=1), "kv_cache_bytes=1 holds no KV page: one page of 16 tokens takes 20480 bytes"),
+    (dict(kv_cache_bytes=-5), r"kv_cache_bytes must be an int >= 1 \(bytes\) or None, got -5"),
+    (dict(kv_cache_bytes=2.5), "kv_cache_bytes must be an int"),
+    (dict(max_model_len=10**6), r"max_model_len must be in \[1, 2048\] \(the model's max_position_embeddings\)"),
+    (dict(max_model_len=0), "max_model_len must be an int >= 1, got 0"),
+    (dict(num_pages=2, max_model_len=64), "max_model_len=64 does not fit the KV cache: 2 pages of 16 tokens hold 32"),
+    (dict(seed=2**70), r"seed must be an int in \[0, 2\*\*64 - 1\]"),
+    (dict(seed=-1), r"seed must be an int in \[0, 2\*\*64 - 1\]"),
+    (dict(device="tpu"), "device must be 'cpu' or 'cuda', got 'tpu'"),
+    (dict(dtype="fp8"), "dtype must be one of"),
+    (dict(cpu_threads=0), "cpu_threads must be an int >= 1 or None"),
+    (dict(log_stats_interval=-1), "log_stats_interval must be a finite number of seconds >= 0"),
+    (dict(num_cpu_pages=-1), "num_cpu_pages must be an int >= 0"),
+    (dict(page_size=0), "page_size must be an int >= 1"),
+    (dict(policy="lifo"), "policy must be one of"),
+    (dict(preemption="drop"), "preemption must be one of"),
+    (dict(max_num_seqs=True), "max_num_seqs must be an int >= 1"),
+    (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be a bool"),
+])
+def test_engine_options_are_checked_with_their_range(stories, kw, message, monkeypatch):
+    from uacompile.runtime import engine
+
+    if not any(m in message for m in ("kv_cache_bytes=1 ", "max_model_len=64", "max_position_embeddings")):  # need the model
+        monkeypatch.setattr(engine, "load", lambda path: pytest.fail("the option was checked after loading the model"))
+    with pytest.raises(ValueError, match=message):
+        make(stories, **kw)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(temperature=float("inf")), r"temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), r"temperature must be a finite number >= 0"),
+    (dict(temperature=-0.5), r"temperature must be a finite number >= 0"),
+    (dict(top_p=0), r"top_p must be a number in \(0, 1\]"),
+    (dict(top_p=float("nan")), r"top_p must be a number in \(0, 1\]"),
+    (dict(top_k=-1), "top_k must be an int >= 0"),
+    (dict(max_tokens=0), "max_tokens must be an int >= 1"),
+    (dict(seed=2**70), r"seed must be an int in \[0, 2\*\*64 - 1\] or None"),
+    (dict(seed=1.5), "seed must be an int"),
+    (dict(n=0), "n must be an int >= 1"),
+    (dict(stop=[""]), "stop must be a list of non-empty strings"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of ints >= 0"),
+    (dict(ignore_eos=1), "ignore_eos must be a bool"),
+])
+def test_sampling_params_are_checked_with_their_range(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)
+
+
+def test_largest_seed_works_and_its_samples_wrap(stories):
+    llm = make(stories)
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=1.0, max_tokens=4, seed=2**64 - 1, n=2))
+    assert [len(c.token_ids) for c in out[0].outputs] == [4, 4]
+
+
+def test_hf_config_missing_a_field_names_it(tmp_path):
+    import json
+
+    from uacompile.runtime.loader import load
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 32, "hidden_size": 16,
+                                                      "intermediate_size": 32, "num_hidden_layers": 1}))
+    with pytest.raises(ValueError, match="config.json: num_attention_heads must be an int >= 1, is missing"):
+        load(tmp_path)
+
+
+def test_runtime_logs_load_kv_pool_kernels_preemptions_and_throughput(stories, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="uacompile"):
+        llm = make(stories, page_size=4, num_pages=24, num_cpu_pages=64, preemption="swap", max_model_len=96,
+                   log_stats_interval=1e-9)
+        llm.generate(PROMPTS, GREEDY)
+    text = caplog.text
+    assert "model loaded in" in text and "stories260K.gguf" in text
+    assert "KV cache: 24 pages of 4 tokens (96 tokens)" in text and "GB on cpu; swap pool 64 pages" in text
+    assert "kernels ready in" in text and "tvm-cpu" in text
+    assert "preempted sequence" in text and "by swap" in text and "swapped sequence" in text
+    assert "throughput:" in text and "generated tok/s" in text
+    assert all(r.name.startswith("uacompile.") for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="uacompile"):
+        make(stories)
+    assert not caplog.records  # INFO is the user's choice; nothing at WARNING on a plain start
+
+
+def test_a_clamp_that_stays_is_logged(stories, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="uacompile"):
+        llm = make(stories, num_pages=6)
+    assert llm.engine.scheduler.config.max_model_len == 96
+    assert "max_model_len = 96, what the KV cache's 6 pages hold (the model allows 2048" in caplog.text
+
+
 def test_cuda_device_without_gpu_is_a_clear_error(stories):
     import torch
 
@@ -202,3 +295,23 @@ def test_cuda_device_without_gpu_is_a_clear_error(stories):
         pytest.skip("a GPU is present")
     with pytest.raises(ValueError, match="no CUDA GPU"):
         LLM(stories, device="cuda")
+
+
+def test_cached_start_takes_under_a_second_and_imports_no_tvm(stories):
+    """LLM(...) with its kernels in the cache: no TVM import (the cache key and the library load need none)
+    and under 1 s of CPU time (CPU time, not wall time: the test machine's cores are shared)."""
+    import json
+    import subprocess
+    import sys
+
+    make(stories)  # the kernels are in the cache now
+    probe = ("import json, sys, time; from uacompile.runtime import LLM; "
+             "w, c = time.perf_counter(), time.process_time(); "
+             f"LLM({stories!r}); "
+             "print(json.dumps({'wall': time.perf_counter() - w, 'cpu': time.process_time() - c, "
+             "'tvm': 'tvm' in sys.modules}))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not got["tvm"], got
+    assert got["cpu"] < 1.0, got

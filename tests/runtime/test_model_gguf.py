@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
-pytest.importorskip("transformers")
+import gguf
+import transformers  # noqa: F401
 
 from model_helpers import hf_greedy, hf_logits, make_hf_model, runtime_logits  # noqa: E402
 
 from uacompile.runtime import LLM, SamplingParams  # noqa: E402
-from uacompile.runtime.loader import load, models_dir  # noqa: E402
+from uacompile.models import STORIES260K  # noqa: E402
+from uacompile.runtime.loader import load  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 # HF name suffix -> (GGUF name, storage type)
@@ -142,9 +143,7 @@ def unpermute_by_index(w: np.ndarray, n_head: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def vocab_meta():
-    path = models_dir() / "stories260K.gguf"
-    if not path.exists():  # any 512-token llama vocab would do; this is the one at hand
-        pytest.skip(f"{path} not found (set UACOMPILE_MODELS_DIR)")
+    path = STORIES260K  # any 512-token llama vocab would do; this is the one shipped
     return {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items() if k.startswith("tokenizer.")}
 
 

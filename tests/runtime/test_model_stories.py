@@ -5,17 +5,14 @@ import numpy as np
 import pytest
 
 from uacompile.runtime import LLM, SamplingParams
-from uacompile.runtime.loader import models_dir
+from uacompile.models import STORIES260K
 
 STORY_START = "Once upon a time, there was a little girl named Lily."  # the model card's greedy story
 
 
 @pytest.fixture(scope="module")
 def stories_path():
-    path = models_dir() / "stories260K.gguf"
-    if not path.exists():
-        pytest.skip(f"{path} not found (set UACOMPILE_MODELS_DIR to the folder holding stories260K.gguf)")
-    return path
+    return STORIES260K  # shipped in the package: a missing file fails, never skips
 
 
 class NumpyLlama:
@@ -108,8 +105,8 @@ def test_reference_kernel_backend_agrees(stories_path, llm):
 def test_tokenizer_matches_transformers_gguf_tokenizer(stories_path, tmp_path, llm):
     """transformers' own GGUF tokenizer is the reference. It chokes on the file's padding id
     (0xFFFFFFFF), so the test rewrites the vocab into a fresh GGUF without it."""
-    gguf = pytest.importorskip("gguf")
-    transformers = pytest.importorskip("transformers")
+    import gguf
+    import transformers
     meta = {k: f.contents() for k, f in gguf.GGUFReader(str(stories_path)).fields.items()}
     w = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
     w.add_tokenizer_model("llama")

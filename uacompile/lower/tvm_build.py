@@ -8,11 +8,21 @@ numpy arrays or torch CPU tensors (outputs too: the kernel writes into them), si
 omitted (inferred from shapes).
 bf16 numpy arrays travel as zero-copy torch views (numpy's DLPack has no bf16); fp8 travels
 as its raw bytes (uint8), which is what the kernel decodes.
+
+A cached kernel loads without importing tvm: its cache key needs no TVM (the host CPU is read
+from the OS), and the library loads through tvm_ffi with TVM's small runtime library (which
+serves the kernel's parallel loops). Only a build (a cache miss) imports tvm.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import importlib.util
 import json
+import logging
+import platform
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +37,7 @@ CACHE_KIND = "tvm_cpu"
 LIBRARY = "kernel.so"
 _loaded: dict[str, "CpuKernel"] = {}
 _lock = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 def cpu_target() -> dict:
@@ -36,8 +47,43 @@ def cpu_target() -> dict:
     return {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
 
 
+@functools.cache
+def host_cpu() -> dict:
+    """This machine's CPU as the OS describes it (architecture, model, feature flags), read without
+    TVM: part of the cache key, so a library built for one CPU is never loaded on another."""
+    info = {"machine": platform.machine()}
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return {**info, "processor": platform.processor()}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "flags", "Features", "CPU implementer", "CPU part", "vendor_id") and key not in info:
+            info[key] = value.strip()
+    return info
+
+
 def cpu_cache_key(op: OpSpec) -> str:
-    return content_hash(op.to_dict(), generator_source(), toolchain_versions("tvm", "g++"), cpu_target())
+    return content_hash(op.to_dict(), generator_source(), toolchain_versions("tvm", "g++"), host_cpu())
+
+
+def _load_library(path: Path, symbol: str):
+    """The kernel function of a TVM-built library, through tvm_ffi and libtvm_runtime (no tvm import)."""
+    import tvm_ffi
+
+    _tvm_runtime()
+    return tvm_ffi.load_module(str(path))[symbol]
+
+
+@functools.cache
+def _tvm_runtime() -> None:
+    """Load TVM's runtime library once, globally: a library's parallel loops call into it."""
+    spec = importlib.util.find_spec("tvm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the tvm package (apache-tvm) is not installed")
+    lib = Path(next(iter(spec.submodule_search_locations))) / "lib" / "libtvm_runtime.so"
+    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
 
 
 def build_cpu_library(op: OpSpec, out_dir: Path) -> Path:
@@ -61,11 +107,12 @@ def cpu_kernel(op) -> "CpuKernel":
     with _lock:
         if key in _loaded:
             return _loaded[key]
-        import tvm
-
+        t0 = time.perf_counter()
         folder, hit = cached_build(CACHE_KIND, key, lambda d: build_cpu_library(op, d))
-        fn = tvm.runtime.load_module(str(folder / LIBRARY))[op.symbol()]
+        fn = _load_library(folder / LIBRARY, op.symbol())
         kernel = _loaded[key] = CpuKernel(op, folder / LIBRARY, hit, fn)
+        log.log(logging.DEBUG if hit else logging.INFO, "kernel %s (%s) %s in %.2f s: %s", op.symbol(), op.kind,
+                "loaded from the cache" if hit else "built", time.perf_counter() - t0, folder)
         return kernel
 
 
@@ -106,4 +153,4 @@ def _tvm_view(dtype: str, x):
     return x
 
 
-__all__ = ["cpu_kernel", "CpuKernel", "build_cpu_library", "cpu_cache_key", "cpu_target"]
+__all__ = ["cpu_kernel", "CpuKernel", "build_cpu_library", "cpu_cache_key", "cpu_target", "host_cpu"]

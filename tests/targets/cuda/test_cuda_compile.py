@@ -189,7 +189,7 @@ def test_unknown_op_kind_is_an_ir_error():
 
 
 # ---------------------------------------------------------------- argument checks (no GPU needed)
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402
 
 
 def _merge_args(T=3, S_=2, H=4, D=64, out_dtype=torch.float16):
