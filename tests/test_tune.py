@@ -4,7 +4,6 @@ the CUDA spaces' candidates (no GPU needed to list them); the report; the CLI; `
 import json
 import time
 
-import numpy as np
 import pytest
 
 pytest.importorskip("tvm")

@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("tvm")
 
-from uacompile import ir, testing  # noqa: E402
+from uacompile import testing  # noqa: E402
 from uacompile.lower.config import TVMConfig  # noqa: E402
 from uacompile.runtime.kernels import KernelOps, TVMCPUBackend  # noqa: E402
 from uacompile.tunedb import Record, Tuned, TuningDB, config_to_dict, cpu_environment  # noqa: E402

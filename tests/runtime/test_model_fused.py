@@ -13,7 +13,7 @@ from model_helpers import hf_logits, make_hf_model, runtime_logits  # noqa: E402
 
 from uacompile import ir  # noqa: E402
 from uacompile.runtime import LLM  # noqa: E402
-from uacompile.runtime.kernels import KernelLayerOps, TorchLayerOps  # noqa: E402
+from uacompile.runtime.kernels import KernelLayerOps  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
