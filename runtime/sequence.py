@@ -14,7 +14,7 @@ class SequenceStatus(enum.Enum):
 
 
 MAX_LOGPROBS = 20
-SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+SEED_RANGE = (0, (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
 def _is_int(v) -> bool:
@@ -55,7 +55,8 @@ class SamplingParams:
                 lo_text = f"({lo}" if lo_open else f"[{lo}"
                 raise ValueError(f"{name} must be a number in {lo_text}, {hi_text or hi}], got {v!r}")
 
-        number_in("temperature", 0, float("inf"), hi_text="inf")
+        if not _is_number(self.temperature) or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         number_in("top_p", 0, 1, lo_open=True)
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
@@ -66,7 +67,7 @@ class SamplingParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
-            raise ValueError(f"seed must be an int in [-2**63, 2**63 - 1] or None, got {self.seed!r}")
+            raise ValueError(f"seed must be an int in [0, 2**64 - 1] or None, got {self.seed!r}")
         if isinstance(self.stop, str):  # a lone string is the common mistake: accept it as one stop string
             self.stop = [self.stop]
         if self.stop is not None and (not isinstance(self.stop, (list, tuple))

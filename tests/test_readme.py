@@ -102,7 +102,11 @@ def test_readme_test_command_installs_and_collects(tmp_path):
     assert re.search(r"\d+ tests? collected|\d+/\d+ tests? collected", r.stdout), r.stdout[-1000:]
 
 
-@pytest.mark.parametrize("code", [c for c in PYTHON if "targets.cuda" not in c], ids=lambda c: c.split("\n")[0][:40])
+SERVER = "http://127.0.0.1:8000"  # the serving snippets' server (test_readme_serving_snippets_run starts one)
+
+
+@pytest.mark.parametrize("code", [c for c in PYTHON if "targets.cuda" not in c and SERVER not in c],
+                         ids=lambda c: c.split("\n")[0][:40])
 def test_readme_python_snippet_runs(code, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -116,14 +120,67 @@ def test_readme_gpu_snippets_compile():
 
 
 def test_readme_example_and_cli_lines_run():
-    runtime = blocks(section("Serving runtime"), "bash")
+    runtime = blocks(section("Serving runtime").split("### Serving over HTTP")[0], "bash")
     lines = [line.split("#")[0].strip() for b in runtime for line in b.splitlines() if line.strip()]
     assert lines and all(line.startswith("python examples/story.py") for line in lines)
     for line in lines:
         r = bash(line.replace("python ", f"{sys.executable} ", 1), ROOT, timeout=600)
         assert "Once upon a time" in r.stdout or "Tom found a box" in r.stdout, r.stdout
-    cli = [c for c in re.findall(r"`(uacompile [^`]+)`", README) if "..." not in c]
+    # the runnable command lines (a bare `uacompile build` or `uacompile serve` names a command; the serving lines
+    # run in test_readme_serving_snippets_run, against a server)
+    cli = [c for c in re.findall(r"`(uacompile [^`]+)`", README) if "..." not in c and " --" in c or c == "uacompile ops"]
+    cli = [c for c in cli if not c.startswith(("uacompile serve", "uacompile bench serve"))]
     assert any(c.startswith("uacompile generate") for c in cli)
     for c in cli:
         r = bash(f"{sys.executable} -m uacompile.cli {c.removeprefix('uacompile ')}", ROOT, timeout=600)
         assert r.stdout.strip(), c
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_readme_serving_snippets_run(tmp_path):
+    """The "Serving over HTTP" snippets as written, on another free loopback port: the serve line starts the
+    server, then the curl lines, the openai client snippet and the bench serve line run against it."""
+    import time
+    import urllib.request
+
+    text = section("Serving runtime").split("### Serving over HTTP")[1]
+    lines = [line.strip() for b in blocks(text, "bash") for line in b.replace("\\\n", " ").splitlines() if line.strip()]
+    serve = [line for line in lines if line.startswith("uacompile serve")]
+    assert len(serve) == 1, lines
+    port = free_port()
+    here = lambda line: line.replace("127.0.0.1:8000", f"127.0.0.1:{port}").replace("--port 8000", f"--port {port}")  # noqa: E731
+    server = subprocess.Popen([sys.executable, "-m", "uacompile.cli", *here(serve[0]).split()[1:]], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.time() < deadline, "the README's serve line did not come up"
+                time.sleep(0.5)
+        curls = [line for line in lines if line.startswith("curl")]
+        assert len(curls) >= 3
+        for line in curls:
+            out = bash(here(line), tmp_path, timeout=120).stdout
+            assert out.strip(), line
+        for code in [c for c in PYTHON if SERVER in c]:
+            r = subprocess.run([sys.executable, "-c", here(code)], cwd=tmp_path, capture_output=True, text=True,
+                               timeout=300)
+            assert r.returncode == 0, r.stderr[-3000:]
+        bench = [line for line in lines if line.startswith("uacompile bench serve")]
+        assert len(bench) == 1
+        small = here(bench[0]).replace("--num-prompts 64", "--num-prompts 8").replace("1,2,4,8,16", "1,2")
+        bash(f"{sys.executable} -m uacompile.cli {small.removeprefix('uacompile ')}", tmp_path, timeout=300)
+        assert (tmp_path / "bench-serve.json").exists()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

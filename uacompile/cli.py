@@ -212,7 +212,7 @@ def cmd_tune(args) -> int:
         raise ValueError("tune: give --preset NAME or --op OP (or --show)")
     if args.set and args.op is None:
         raise ValueError("tune: --set changes the fields of --op's op")
-    ops = ops_to_tune(args.target, args.preset, args.op, _sets(args.op, args.set))
+    ops = ops_to_tune(args.target, args.preset, args.op, _sets(args.op, args.set) if args.op else {})
     shapes = parse_shapes(args.shapes or DEFAULT_SHAPES[args.target])
     space = make_space(args.target)
     results = []
@@ -233,7 +233,7 @@ def cmd_tune(args) -> int:
 def cmd_serve(args) -> int:
     from .runtime.server import serve
 
-    kw = {k: v for k, v in vars(args).items() if k not in ("func", "command") and v is not None}
+    kw = {k: v for k, v in vars(args).items() if k not in ("func", "command", "debug") and v is not None}
     serve(**kw)
     return 0
 
@@ -272,7 +272,7 @@ def _add_tune(sub) -> None:
     what.add_argument("--rerender", default=None, metavar="JSON",
                       help="rewrite a report's table and plot from its JSON (into --report, else beside it)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="op field, e.g. head_dim=64")
-    t.add_argument("--target", choices=SPACES, default=None)
+    t.add_argument("--target", choices=SPACES, default=None, help="the target whose run configs are searched")
     t.add_argument("--shapes", default=None, help="decode:BxL,prefill:BxL,... (default: the target's)")
     much = t.add_mutually_exclusive_group()
     much.add_argument("--trials", type=int, default=None, help="candidates a shape, the default among them (default 24)")
@@ -283,34 +283,35 @@ def _add_tune(sub) -> None:
     t.add_argument("--force", action="store_true", help="re-tune shapes the database already holds")
     t.add_argument("--report", default=None, metavar="DIR", help="write DIR/tune-<date>.json, .md and .png")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
-    t.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    t.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="logging level (default: warning)")
     t.set_defaults(func=cmd_tune)
 
 
 def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument("--model", required=True, help="a .gguf file or a Hugging Face directory")
-    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default: cpu)")
     s.add_argument("--host", default="127.0.0.1", help="default: loopback only")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/* and /completion")
     s.add_argument("--served-model-name", default=None, help="default: the model file's stem")
-    s.add_argument("--max-num-seqs", type=int, default=None)
-    s.add_argument("--max-num-batched-tokens", type=int, default=None)
-    s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--page-size", type=int, default=None)
-    s.add_argument("--num-pages", type=int, default=None)
+    s.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once (engine default 32)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of a step")
+    s.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
+    s.add_argument("--page-size", type=int, default=None, help="KV positions a page (default 16)")
+    s.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from memory)")
     s.add_argument("--policy", default=None, help="fcfs | sjf | priority | prefix")
     s.add_argument("--preemption", default=None, help="recompute | swap")
     s.add_argument("--kernel-backend", default=None, help="auto | tvm-cpu | cuda | reference")
-    s.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
-    s.add_argument("--cpu-threads", type=int, default=None)
-    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="model dtype (default: float32 on the CPU, the checkpoint's 16-bit type on CUDA)")
+    s.add_argument("--cpu-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    s.add_argument("--seed", type=int, default=None, help="seed of requests that bring none")
     s.add_argument("--max-queue", type=int, default=256,
                    help="requests accepted beyond --max-num-seqs before answering 503")
     s.add_argument("--trace", default=None, metavar="FILE",
                    help="write a Chrome-trace JSON of steps, kernel calls and KV events (the first 500k) at shutdown")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging level (default: info)")
     s.set_defaults(func=cmd_serve)
 
 
@@ -318,7 +319,7 @@ def _add_bench(sub) -> None:
     from .bench_serve import add_arguments
 
     b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
+    bsub = b.add_subparsers(dest="bench_command", required=True, parser_class=_Parser, metavar="BENCH", help="one of:")
     s = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (like `vllm bench serve`)")
     add_arguments(s)
     s.set_defaults(func=cmd_bench_serve)

@@ -99,24 +99,22 @@ def step_bucket(num_tokens: int, num_seqs: int, max_kv_len: int) -> str:
 
 # ------------------------------------------------------------------ environments
 def cpu_environment() -> dict:
-    """This CPU (model name and LLVM's CPU) and the TVM that builds its kernels."""
-    from importlib.metadata import version
+    """This CPU (as the OS describes it: model and feature flags, read without importing TVM) and the TVM that
+    builds its kernels (its installed version)."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
 
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        import tvm
+    from .lower.tvm_build import host_cpu
 
-        mcpu = tvm.target.codegen.llvm_get_system_cpu()
-    except ImportError:
-        mcpu = "unknown"
-    return {"device": f"{name} ({mcpu})", "toolchain": {"tvm": version("apache-tvm")}}
+    info = host_cpu()
+    name = info.get("model name") or info.get("processor") or info["machine"]
+    flags = info.get("flags") or info.get("Features") or ""
+    try:
+        tvm_version = version("apache-tvm")
+    except PackageNotFoundError:
+        tvm_version = "absent"
+    return {"device": f"{name} (features {hashlib.sha256(flags.encode()).hexdigest()[:8]})",
+            "toolchain": {"tvm": tvm_version}}
 
 
 def cuda_environment(device=0) -> dict:

@@ -22,15 +22,17 @@ def logits_for(rng, n):
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(temperature=-0.1), "temperature must be a number in [0, inf]"),
-    (dict(temperature=float("nan")), "temperature must be a number in [0, inf]"),
+    (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
     (dict(top_p=0), "top_p must be a number in (0, 1]"),
     (dict(top_k=-1), "top_k must be an int >= 0"),
     (dict(min_p=1.5), "min_p must be a number in [0, 1]"),
     (dict(presence_penalty=2.5), "presence_penalty must be a number in [-2, 2]"),
     (dict(frequency_penalty=-3), "frequency_penalty must be a number in [-2, 2]"),
     (dict(repetition_penalty=0), "repetition_penalty must be a number in (0, 100]"),
-    (dict(seed=1 << 64), "seed must be an int in [-2**63, 2**63 - 1]"),
+    (dict(seed=1 << 64), "seed must be an int in [0, 2**64 - 1]"),
+    (dict(seed=-1), "seed must be an int in [0, 2**64 - 1]"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
     (dict(logprobs=21), "logprobs must be an int in [0, 20]"),
     (dict(logit_bias={3: 101}), "logit_bias must map token ids >= 0 to numbers in [-100, 100]"),
     (dict(logit_bias={-1: 1}), "logit_bias must map token ids"),

@@ -42,7 +42,7 @@ def test_a_seeded_sequence_draws_the_same_tokens_in_any_batch():
         for t in range(steps):
             logits = torch.randn(batch_size, V) * 3
             logits[position] = rows[t]
-            out.append(sampler.sample(seqs, logits)[position])
+            out.append(sampler.sample(seqs, logits).tokens[position])
         return out
 
     alone = draw(1, 0)

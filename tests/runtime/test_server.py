@@ -218,7 +218,7 @@ BAD = [
     ({"prompt": "a " * 3000, "max_tokens": 4}, 400, "context"),
     ({"prompt": "a", "model": "gpt-4"}, 404, "does not exist"),
     ({"prompt": "a", "n": 1000}, 400, "n must be at most"),
-    ({"prompt": "a", "temperature": -1}, 400, "temperature must be a number in [0, inf]"),
+    ({"prompt": "a", "temperature": -1}, 400, "temperature must be a finite number >= 0"),
     ({"prompt": "a", "top_p": 1.5}, 400, "top_p must be a number in (0, 1]"),
     ({"prompt": "a", "min_p": 2}, 400, "min_p must be a number in [0, 1]"),
     ({"prompt": "a", "presence_penalty": 3}, 400, "presence_penalty must be a number in [-2, 2]"),
