@@ -19,3 +19,16 @@ built = {s: e for s, e in load_manifest(sys.argv[1], "cuda", "tvm").items() if e
 assert built, f"no TVM-CUDA library in {sys.argv[1]} (is nvcc on PATH?)"
 print(f"{len(built)} TVM-CUDA kernels in {sys.argv[1]}: {', '.join(sorted(built))}")
 PY
+# the TVM-CUDA kernels tests/lower/test_tvm_cuda.py runs on the GPU (its VARIANTS), as <symbol>_sm_90.so in OUT/tests:
+# run_device.sh points UA_TVM_CUDA_PREBUILT there
+"$PY" - "$OUT/tests" <<'PY'
+import importlib.util, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("tvm_cuda_tests", Path("tests/lower/test_tvm_cuda.py"))
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+from uacompile.lower.tvm_cuda import build_cuda_library
+for name, op in mod.VARIANTS.items():
+    build_cuda_library(op, "sm_90", sys.argv[1])
+print(f"{len(mod.VARIANTS)} TVM-CUDA test kernels in {sys.argv[1]}")
+PY

@@ -21,6 +21,9 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONSAFEPATH=1
 # TVM-CUDA kernels built elsewhere (bench/prebuild_tvm_cuda.sh, carry ".carry/tvm-cuda"): the device has no TVM
 if [ -d .carry/tvm-cuda ]; then export UA_TVM_CUDA_KERNELS=${UA_TVM_CUDA_KERNELS:-$PWD/.carry/tvm-cuda}; fi
+if [ -d .carry/tvm-cuda/tests ]; then export UA_TVM_CUDA_PREBUILT=${UA_TVM_CUDA_PREBUILT:-$PWD/.carry/tvm-cuda/tests}; fi
+# the test files with GPU tests (the others may import what the GPU machine lacks: TVM, the server's packages)
+GPU_FILES=$(grep -rlE "pytest\.mark\.gpu|mark\.gpu\b" tests --include="test_*.py" | sort)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, uacompile.targets.cuda.api as a; print('torch', torch.__version__, 'api', a.__file__)" || exit 1
 rc=0
@@ -35,7 +38,7 @@ if [ "${UA_SKIP_TESTS:-0}" != 1 ]; then
     workers="-n ${UA_GPU_WORKERS:-5} --dist loadfile"
   fi
   python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors -rfE --durations=12 $workers \
-    ${UA_GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest-gpu.log"
+    ${UA_GPU_TESTS:-$GPU_FILES} 2>&1 | tee "$OUT/pytest-gpu.log"
   rc=${PIPESTATUS[0]}
 fi
 if [ "${UA_SKIP_BENCH:-0}" != 1 ]; then
