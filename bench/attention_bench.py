@@ -139,7 +139,7 @@ def sdpa(q, k, v, causal: bool):
 COPY_GBPS = [0.0]  # the run's copy ceiling (bench/kernels.py measures it; else attention_rows does)
 
 
-def _row(op, shape, impl, diff=None, **vals):
+def row(op, shape, impl, diff=None, **vals):
     r = dict(op=op, shape=shape, impl=impl, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in vals.items()})
     if "gbps" in r and op == "decode" and COPY_GBPS[0]:
         r["pct_ceiling"] = round(100 * r["gbps"] / COPY_GBPS[0], 1)
@@ -173,11 +173,11 @@ def decode_rows(gen, splits_sweep=(), unified=False, peers=None) -> list[dict]:
             diff = (b0.out.float() - want.float()).abs().max().item()
             impl = f"ua splits={splits}" + (" (auto)" if splits == auto else "")
             ms = timings[splits].ms
-            rows.append(_row("decode", shape, impl, ms=ms, gbps=b0.kv_bytes / ms / 1e6, diff=diff))
+            rows.append(row("decode", shape, impl, ms=ms, gbps=b0.kv_bytes / ms / 1e6, diff=diff))
         ms = timings["sdpa"].ms
-        rows.append(_row("decode", shape, "torch SDPA contiguous", ms=ms, gbps=b0.kv_bytes / ms / 1e6))
+        rows.append(row("decode", shape, "torch SDPA contiguous", ms=ms, gbps=b0.kv_bytes / ms / 1e6))
         for name in (peers or {}).get("decode", {}):
-            rows.append(_row("decode", shape, name, ms=timings[name].ms, gbps=b0.kv_bytes / timings[name].ms / 1e6))
+            rows.append(row("decode", shape, name, ms=timings[name].ms, gbps=b0.kv_bytes / timings[name].ms / 1e6))
         del kc, k, v
 
         def gather_sdpa(b):
@@ -185,13 +185,13 @@ def decode_rows(gen, splits_sweep=(), unified=False, peers=None) -> list[dict]:
             return sdpa(b.q_bhld(), kk, vv, False)
 
         ms = time_ms([lambda b=b: gather_sdpa(b) for b in batches], calls_per_fn=3)
-        rows.append(_row("decode", shape, "gather + SDPA", ms=ms, gbps=b0.kv_bytes / ms / 1e6))
+        rows.append(row("decode", shape, "gather + SDPA", ms=ms, gbps=b0.kv_bytes / ms / 1e6))
         if unified and (B, L) == (8, 16384):
         # llama.cpp-style unified buffer: every query scans all 8 sequences' cells
             up = plan_for(op_of(variant="unified_masked"), b0)
             ms = time_ms([lambda: attention.run(up, **b0.args(), out=b0.out)], calls_per_fn=2)
             diff = (b0.out.float() - want.float()).abs().max().item()
-            rows.append(_row("decode", shape, "unified_masked", ms=ms, gbps=b0.kv_bytes / ms / 1e6, diff=diff))
+            rows.append(row("decode", shape, "unified_masked", ms=ms, gbps=b0.kv_bytes / ms / 1e6, diff=diff))
         del batches, b0
         torch.cuda.empty_cache()
     return rows
@@ -215,10 +215,10 @@ def prefill_rows(gen, shapes=PREFILL_SHAPES, peers=None) -> list[dict]:
         b.out.fill_(float("nan"))
         attention.run(p, **b.args(), out=b.out)
         diff = (b.out.view(B, L, HQ, D).transpose(1, 2).float() - want.float()).abs().max().item()
-        rows.append(_row("prefill", shape, "ua", ms=t["ua"].ms, tflops=flops / t["ua"].ms / 1e9, diff=diff))
-        rows.append(_row("prefill", shape, "torch SDPA contiguous", ms=t["sdpa"].ms, tflops=flops / t["sdpa"].ms / 1e9))
+        rows.append(row("prefill", shape, "ua", ms=t["ua"].ms, tflops=flops / t["ua"].ms / 1e9, diff=diff))
+        rows.append(row("prefill", shape, "torch SDPA contiguous", ms=t["sdpa"].ms, tflops=flops / t["sdpa"].ms / 1e9))
         for name in (peers or {}).get("prefill", {}):
-            rows.append(_row("prefill", shape, name, ms=t[name].ms, tflops=flops / t[name].ms / 1e9))
+            rows.append(row("prefill", shape, name, ms=t[name].ms, tflops=flops / t[name].ms / 1e9))
         del b, k, v, want
         torch.cuda.empty_cache()
     return rows
@@ -245,7 +245,7 @@ def mixed_rows(gen, kernel_of=None) -> list[dict]:
                      "ua prefill part alone": lambda: attention.run(alone_p, **chunk.args(), out=chunk.out),
                      "ua decode part alone": lambda: attention.run(alone_d, **dec.args(), out=dec.out)},
                     calls=5, rounds=ROUNDS)
-    return [_row("mixed", "2x2048@8K + 64x1@4K", impl, ms=timing.ms) for impl, timing in t.items()]
+    return [row("mixed", "2x2048@8K + 64x1@4K", impl, ms=timing.ms) for impl, timing in t.items()]
 
 
 # ---------------------------------------------------------------- FlashInfer peer (JIT from its sdist)
@@ -353,7 +353,7 @@ def attention_rows(ctx=None, quick: bool = False, flashinfer: bool | None = None
     COPY_GBPS[0] = getattr(ctx, "copy_gbps", 0.0) or 0.0
     if not COPY_GBPS[0]:
         COPY_GBPS[0] = copy_ceiling_gbps()[0]
-        rows.append(_row("copy", "1 GiB", "torch copy_ (ceiling)", gbps=COPY_GBPS[0]))
+        rows.append(row("copy", "1 GiB", "torch copy_ (ceiling)", gbps=COPY_GBPS[0]))
     rows += decode_rows(gen, sweep, unified=True, peers=peers)
     log(f"# decode done at {time.perf_counter() - t0:.1f} s")
     rows += prefill_rows(gen, peers=peers)

@@ -44,7 +44,7 @@ def _grouped(ax, rows, op, metric, impls, title, unit):
     return shapes
 
 
-def _label(target: str, shape: str) -> str:
+def label(target: str, shape: str) -> str:
     """A cache-op bar's label in a few short lines: the op, then its dtypes (page size) or direction."""
     op = {"reshape_and_cache": "reshape", "copy_blocks": "copy_blocks", "swap": "swap"}[target.split(" %")[0]]
     words = shape.split()
@@ -77,7 +77,7 @@ def draw(meta: dict, png: Path) -> Path:
     pre.set_ylim(0, 1.4 * pre.get_ylim()[1])
     pre.legend(fontsize=7, loc="upper left")
     checks = [c for c in checks if "%" in c["target"]]
-    labels = [_label(c["target"], c["shape"]) for c in checks]
+    labels = [label(c["target"], c["shape"]) for c in checks]
     bars = cache.bar(range(len(checks)), [c["measured"] for c in checks],
                      color=["#2ca02c" if c["met"] else "#d62728" for c in checks])
     cache.bar_label(bars, fmt="%.0f%%", fontsize=7, padding=1)

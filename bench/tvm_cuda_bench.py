@@ -15,7 +15,7 @@ import torch
 from uacompile import ir
 from uacompile.lower.config import TVMConfig
 from uacompile.tune_space import tvm_cuda_plan
-from uacompile.tunedb import config_from_dict, default_tuned
+from uacompile.tunedb import default_tuned
 
 import attention_bench
 from attention_bench import PagedBatch, op_of, plan_for
@@ -58,7 +58,7 @@ def _rows_of(kind: str, B: int, L: int, gen) -> list[dict]:
     base = timings["ua jinja (auto)"].ms
     for name in fns:
         ms = timings[name].ms
-        r = attention_bench._row(kind, shape, name, ms=ms, **(
+        r = attention_bench.row(kind, shape, name, ms=ms, **(
             {"gbps": b0.kv_bytes / ms / 1e6} if kind == "decode" else {"tflops": flops / ms / 1e9}))
         if name != "ua jinja (auto)":
             fn, ws = tvm[name]

@@ -80,7 +80,7 @@ class KVManager:
                 self.deferred.remove(page)
         self.ref_count[page] += 1
 
-    def _unref(self, page: int) -> None:
+    def unref(self, page: int) -> None:
         if self.ref_count[page] <= 0:
             raise RuntimeError(f"page {page} freed twice")
         self.ref_count[page] -= 1
@@ -158,7 +158,7 @@ class KVManager:
             if i in shared:
                 dst = self._take_free_page()
                 self.copy_sources.add(src)
-                self._unref(src)
+                self.unref(src)
                 seq.block_table[i] = dst
                 copies.append((src, dst))
             elif src in self.page_to_hash:  # sole owner rewrites a published page: unpublish it
@@ -171,7 +171,7 @@ class KVManager:
     def free(self, seq: Sequence) -> None:
         """Drop seq's device pages (tail first, so a shared prefix outlives its tails in the LRU)."""
         for page in reversed(seq.block_table):
-            self._unref(page)
+            self.unref(page)
         seq.block_table = []
         self.owners.pop(seq.seq_id, None)
 
@@ -203,7 +203,7 @@ class KVManager:
         deferred, self.deferred = self.deferred, []
         for page in deferred:
             self.ref_count[page] = 1
-            self._unref(page)
+            self.unref(page)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]] | None:
         """Move seq's pages to the CPU pool: returns (device page, cpu page) pairs, or None if the

@@ -162,7 +162,7 @@ class Scheduler:
             return (seq.priority, seq.arrival_time, seq.seq_id)
         return (seq.arrival_time, seq.seq_id)
 
-    def _ordered_waiting(self) -> list[Sequence]:
+    def ordered_waiting(self) -> list[Sequence]:
         seqs = sorted(self.waiting, key=self._key)
         if self.config.policy != "prefix":
             return seqs
@@ -231,7 +231,7 @@ class Scheduler:
         # 3. new (or recompute-preempted) requests
         if not self.swapped and not preempted:
             prefilling = {self._group(s) for s in self.running if s.num_computed_tokens < s.num_prompt_tokens}
-            for seq in self._ordered_waiting():
+            for seq in self.ordered_waiting():
                 if budget == 0 or len(self.running) >= c.max_num_seqs or len(batch.seqs) >= c.max_num_seqs:
                     break
                 group = self._group(seq)

@@ -33,11 +33,11 @@ class BuildError(RuntimeError):
     """g++ rejected generated code (the message carries its diagnostics)."""
 
 
-def _emulator_text() -> str:
+def emulator_text() -> str:
     return "".join(p.read_text() for p in sorted(EMULATOR_DIR.rglob("*.h")))
 
 
-def _run(cmd: list[str], cwd: Path | None = None) -> None:
+def run_compiler(cmd: list[str], cwd: Path | None = None) -> None:
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if r.returncode != 0:
         raise BuildError(f"{' '.join(cmd)}\n{(r.stderr or r.stdout)[-4000:]}")
@@ -57,7 +57,7 @@ def syntax_check(src_dir: Path, files: list[str]) -> list[str]:
     if hosts:
         cmds.append([CXX, *STD, *CHECK_FLAGS, "-DASCENDC_CPU_DEBUG", *_includes(src_dir), *hosts])
     for cmd in cmds:
-        _run(cmd, cwd=src_dir)
+        run_compiler(cmd, cwd=src_dir)
     return [" ".join(c) for c in cmds]
 
 
@@ -68,7 +68,7 @@ def emulator_library(op: OpSpec, soc: str = DEFAULT_SOC, mode: str = "npu") -> P
     if mode not in MODES:
         raise ValueError(f"mode: must be one of {sorted(MODES)}, got {mode!r}")
     src = generate(op, soc)
-    key = content_hash("ascend-emu", op.to_dict(), soc, sorted(src.files.items()), _emulator_text(),
+    key = content_hash("ascend-emu", op.to_dict(), soc, sorted(src.files.items()), emulator_text(),
                        toolchain_versions(CXX), STD + EMU_BUILD_FLAGS + MODES[mode])
     folder, _ = cached_build("ascend-emu", key, lambda tmp: build_emulator(src, tmp, mode))
     return folder / f"lib{src.symbol}.so"
@@ -82,7 +82,7 @@ def build_emulator(src: KernelSources, folder, mode: str = "npu") -> Path:
     units = ([f"{src.symbol}_kernel.cpp"] if src.kernel else []) + [f"{src.symbol}_host.cpp"]
     (folder / "unity.cpp").write_text("".join(f'#include "{u}"\n' for u in units))
     lib = f"lib{src.symbol}.so"
-    _run([CXX, *STD, *EMU_BUILD_FLAGS, *MODES[mode], *_includes(folder), "unity.cpp", "-o", lib], cwd=folder)
+    run_compiler([CXX, *STD, *EMU_BUILD_FLAGS, *MODES[mode], *_includes(folder), "unity.cpp", "-o", lib], cwd=folder)
     return folder / lib
 
 

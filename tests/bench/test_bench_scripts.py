@@ -124,9 +124,9 @@ def test_chart_draws_every_panel_from_a_run(tmp_path, monkeypatch):
     run["targets"] = importlib.import_module("kernels").target_checks(run["rows"])
     png = chart.draw(run, tmp_path / "k.png")
     assert png.stat().st_size > 20_000
-    assert chart._label("reshape_and_cache % of copy ceiling >= 85", "T=32768 Hkv=8 D=128 P=16 bf16->bf16 +rope") \
+    assert chart.label("reshape_and_cache % of copy ceiling >= 85", "T=32768 Hkv=8 D=128 P=16 bf16->bf16 +rope") \
         == "reshape\nbf16 to\nbf16\n+rope"
-    assert chart._label("swap % of pinned memcpy >= 80", "d2h L=32 pairs=128") == "swap\nd2h"
+    assert chart.label("swap % of pinned memcpy >= 80", "d2h L=32 pairs=128") == "swap\nd2h"
     out = subprocess.run([sys.executable, str(BENCH / "chart.py"), str(tmp_path / "missing.json")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "no such file" in out.stderr

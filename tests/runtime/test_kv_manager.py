@@ -258,7 +258,7 @@ def test_refused_allocation_changes_nothing_and_double_free_is_caught():
     page = a.block_table[0]
     kv.free(a)
     with pytest.raises(RuntimeError, match="freed twice"):
-        kv._unref(page)
+        kv.unref(page)
 
 
 @pytest.mark.parametrize("kwargs, name", [({"num_pages": 0, "page_size": 4}, "num_pages"),

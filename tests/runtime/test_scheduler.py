@@ -240,7 +240,7 @@ def test_prefix_policy_groups_requests_and_defers_followers_to_hit_the_cache():
     sched.add(seq(0, 0, tokens=shared + [1], arrival=0))
     sched.add(seq(1, 0, tokens=[2] * 9, arrival=1))
     sched.add(seq(2, 0, tokens=shared + [2], arrival=2))
-    assert [s.seq_id for s in sched._ordered_waiting()] == [0, 2, 1]
+    assert [s.seq_id for s in sched.ordered_waiting()] == [0, 2, 1]
     batch, _ = step(sched, ex)
     assert [s.seq_id for s in batch.seqs] == [0, 1]   # 2 waits for 0's prefix
     batch, _ = step(sched, ex)

@@ -39,10 +39,10 @@ POISON_F32 = np.uint32(0xFFFFFFFF)
 @pytest.fixture(scope="module")
 def emu():
     src = (EMULATOR_DIR / "selftest.cpp").read_text()
-    key = content_hash("ascend-selftest", src, build._emulator_text(), toolchain_versions(build.CXX))
+    key = content_hash("ascend-selftest", src, build.emulator_text(), toolchain_versions(build.CXX))
 
     def make(tmp):
-        build._run([build.CXX, *build.STD, "-O1", "-fPIC", "-shared", "-pthread", "-Wall", "-Werror",
+        build.run_compiler([build.CXX, *build.STD, "-O1", "-fPIC", "-shared", "-pthread", "-Wall", "-Werror",
                     f"-I{EMULATOR_DIR}", str(EMULATOR_DIR / "selftest.cpp"), "-o", "libselftest.so"], cwd=tmp)
 
     folder, _ = cached_build("ascend-selftest", key, make)
