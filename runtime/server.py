@@ -212,6 +212,47 @@ def _sse(obj) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
+def _sse_response(served, streams, rid: str, obj: str, model: str, body, head: list, choices_of):
+    """The SSE stream of an OpenAI response: a chunk a head choice, then each step's choices_of(i, events) (nothing
+    when empty), a last chunk with the timings (and usage when asked), [DONE]; the requests are aborted when the
+    stream ends or the client goes."""
+    def chunk(choices):
+        return _sse({"id": rid, "object": obj, "created": _now(), "model": model, "choices": choices})
+
+    async def events():
+        try:
+            for choice in head:
+                yield chunk([choice])
+            async for i, evs in served.merged(streams):
+                choices = choices_of(i, evs)
+                if choices:
+                    yield chunk(choices)
+            last = {"id": rid, "object": obj, "created": _now(), "model": model, "choices": [],
+                    "timings": served.timings(streams)}
+            if body.stream_options and body.stream_options.include_usage:
+                last["usage"] = served.usage(streams)
+            yield _sse(last)
+            yield b"data: [DONE]\n\n"
+        except APIError as e:
+            yield _sse({"error": {"message": e.message, "type": e.type}})
+        finally:
+            served.abort(streams)
+
+    return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(served.abort, streams))
+
+
+async def _collect(served, streams, index_of) -> dict:
+    """{choice index: its events} of a whole (non-streaming) response; index_of(stream, event) -> choice index."""
+    got: dict[int, list] = {}
+    try:
+        async for i, evs in served.merged(streams):
+            for e in evs:
+                got.setdefault(index_of(i, e), []).append(e)
+    finally:
+        served.abort(streams)
+    return got
+
+
 async def _json_body(request: Request, model: type[BaseModel]):
     raw = await request.body()
     try:
@@ -465,45 +506,12 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                     "logprobs": served.completion_logprobs([e]) if params.logprobs is not None else None}
 
         if body.stream:
-            async def events():
-                try:
-                    if body.echo:
-                        for i in range(len(prompts)):
-                            for j in range(n):
-                                yield _sse({"id": rid, "object": "text_completion", "created": _now(),
-                                            "model": cfg.model_name,
-                                            "choices": [{"index": i * n + j, "text": echo[i], "finish_reason": None,
-                                                         "logprobs": None}]})
-                    async for i, evs in served.merged(streams):
-                        choices = [chunk(i, e) for e in evs if e.text or e.finish_reason or e.logprobs]
-                        if choices:
-                            yield _sse({"id": rid, "object": "text_completion", "created": _now(),
-                                        "model": cfg.model_name, "choices": choices})
-                    last = {"id": rid, "object": "text_completion", "created": _now(), "model": cfg.model_name,
-                            "choices": [], "timings": served.timings(streams)}
-                    if body.stream_options and body.stream_options.include_usage:
-                        last["usage"] = served.usage(streams)
-                    yield _sse(last)
-                    yield b"data: [DONE]\n\n"
-                except APIError as e:
-                    yield _sse({"error": {"message": e.message, "type": e.type}})
-                finally:
-                    served.abort(streams)
+            head = [{"index": i * n + j, "text": echo[i], "finish_reason": None, "logprobs": None}
+                    for i in range(len(prompts)) for j in range(n)] if body.echo else []
+            return _sse_response(served, streams, rid, "text_completion", cfg.model_name, body, head,
+                                 lambda i, evs: [chunk(i, e) for e in evs if e.text or e.finish_reason or e.logprobs])
 
-            return StreamingResponse(events(), media_type="text/event-stream",
-                                     background=BackgroundTask(served.abort, streams))
-
-        async def collect():
-            got: dict[int, list[StreamEvent]] = {}
-            try:
-                async for i, evs in served.merged(streams):
-                    for e in evs:
-                        got.setdefault(i * n + e.index, []).append(e)
-            finally:
-                served.abort(streams)
-            return got
-
-        got = await _until_disconnect(request, collect())
+        got = await _until_disconnect(request, _collect(served, streams, lambda i, e: i * n + e.index))
         choices = []
         for idx in range(len(prompts) * n):
             evs = got.get(idx, [])
@@ -537,46 +545,16 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
         streams = await served.start([ids], params, body.priority)
 
         if body.stream:
-            async def events():
-                try:
-                    for j in range(params.n):
-                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": _now(),
-                                    "model": cfg.model_name,
-                                    "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-                    async for _, evs in served.merged(streams):
-                        choices = [{"index": e.index, "delta": {"content": e.text} if e.text else {},
-                                    "logprobs": served.chat_logprobs([e]) if params.logprobs is not None else None,
-                                    "finish_reason": e.finish_reason}
-                                   for e in evs if e.text or e.finish_reason or e.logprobs]
-                        if choices:
-                            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": _now(),
-                                        "model": cfg.model_name, "choices": choices})
-                    last = {"id": rid, "object": "chat.completion.chunk", "created": _now(), "model": cfg.model_name,
-                            "choices": [], "timings": served.timings(streams)}
-                    if body.stream_options and body.stream_options.include_usage:
-                        last["usage"] = served.usage(streams)
-                    yield _sse(last)
-                    yield b"data: [DONE]\n\n"
-                except APIError as e:
-                    yield _sse({"error": {"message": e.message, "type": e.type}})
-                finally:
-                    served.abort(streams)
+            head = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    for j in range(params.n)]
+            return _sse_response(served, streams, rid, "chat.completion.chunk", cfg.model_name, body, head,
+                                 lambda _, evs: [
+                                     {"index": e.index, "delta": {"content": e.text} if e.text else {},
+                                      "logprobs": served.chat_logprobs([e]) if params.logprobs is not None else None,
+                                      "finish_reason": e.finish_reason}
+                                     for e in evs if e.text or e.finish_reason or e.logprobs])
 
-            return StreamingResponse(events(), media_type="text/event-stream",
-                                     background=BackgroundTask(served.abort, streams))
-
-        async def collect():
-            got: dict[int, list[StreamEvent]] = {}
-            try:
-                async for _, evs in served.merged(streams):
-                    for e in evs:
-                        got.setdefault(e.index, []).append(e)
-            finally:
-                served.abort(streams)
-            return got
-
-        got = await _until_disconnect(request, collect())
+        got = await _until_disconnect(request, _collect(served, streams, lambda _, e: e.index))
         choices = []
         for j in range(params.n):
             evs = got.get(j, [])
