@@ -11,23 +11,16 @@ def pytest_configure(config):
 
 
 # Slow on the 2-core CPU machine, each a compile check that the fast set covers in part: nvcc builds of
-# whole variant sets, -D switches and code-shape censuses; g++ -Wall -Werror over every AscendC source;
+# whole variant sets and of PTX checks; g++ -Wall -Werror over every AscendC source;
 # the CLI's Ascend build (tests/targets/ascend covers build_and_verify). Marked here by node id so the
 # files keep their own history; tests in other files carry @pytest.mark.slow themselves.
 SLOW_TESTS = (
     "targets/cuda/test_cuda_compile.py::test_variants_compile_and_export_launchers[paged_attention",
-    "targets/cuda/test_cuda_compile.py::test_census_worst_cases_keep_wgmma_unserialised",
-    "targets/cuda/test_cuda_compile.py::test_build_keeps_each_kernel_in_its_first_unserialised_code_shape",
-    "targets/cuda/test_cuda_compile.py::test_benchmark_launches_keep_wgmma_unserialised",
     "targets/cuda/test_cuda_compile.py::test_small_pages_take_the_cp_async_producer_unserialised",
     "targets/cuda/test_cuda_compile.py::test_reshape_sweep_candidates_compile",
     "targets/cuda/test_cuda_compile.py::test_decode_only_kernels_fit_their_register_budget",
     "targets/cuda/test_cuda_compile.py::test_q_l2_prefetch_only_for_rows_of_a_kilobyte",
     "targets/cuda/test_cuda_compile.py::test_smaller_gpus_take_fewer_stages_and_fit",
-    "_switch_compiles",  # test_cuda_compile.py: every -D switch's build
-    "_switches_compile",
-    "targets/cuda/test_cuda_decode_timeline.py::test_probe_switch_compiles_and_reports_its_layout",
-    "targets/cuda/test_cuda_prefill_timeline.py::test_probe_switch_compiles_and_reports_its_layout",
     "lower/test_tvm_cuda.py::test_cuda_library_builds[attn",
     "lower/test_tvm_cuda.py::test_cuda_library_builds[merge",
     "targets/ascend/test_ascend_generate.py::test_every_generated_source_passes_gxx_wall_werror",
