@@ -74,3 +74,22 @@ def runtime_logits(executor, prompts: list[list[int]], chunks: list[list[int]], 
             seqs[i].num_computed_tokens += n
             out[i][seqs[i].num_computed_tokens - 1] = row.double().cpu().numpy()
     return out
+
+
+def gguf_writer(path, arch: str, cfg):
+    """A gguf.GGUFWriter with the model shape's metadata of a HF config written (the GGUF tests' files)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return w

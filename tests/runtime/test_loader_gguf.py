@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from model_helpers import hf_greedy, hf_logits, make_hf_model, runtime_logits  # noqa: E402
+from model_helpers import gguf_writer, hf_greedy, hf_logits, make_hf_model, runtime_logits  # noqa: E402
 
 from uacompile.runtime import LLM, SamplingParams  # noqa: E402
 from uacompile.runtime.loader import load  # noqa: E402
@@ -91,18 +91,7 @@ def write_gguf(path, model, gguf_arch: str, first_type: int, vocab: dict | None 
     cfg = model.config
     H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[gguf_arch], cfg.num_hidden_layers)
-    w = gguf.GGUFWriter(str(path), gguf_arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(H)
-    w.add_head_count_kv(Hkv)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w = gguf_writer(path, gguf_arch, cfg)
     if sliding_window:
         w.add_sliding_window(sliding_window)
     if vocab:

@@ -8,7 +8,7 @@ import torch
 import gguf
 import transformers  # noqa: F401
 
-from model_helpers import hf_greedy, hf_logits, make_hf_model, runtime_logits  # noqa: E402
+from model_helpers import gguf_writer, hf_greedy, hf_logits, make_hf_model, runtime_logits  # noqa: E402
 
 from uacompile.runtime import LLM, SamplingParams  # noqa: E402
 from uacompile.models import STORIES260K  # noqa: E402
@@ -70,18 +70,7 @@ def write_gguf(path, model, vocab_meta: dict | None, tied=False, arch="llama", o
     cfg = model.config
     sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
     H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(H)
-    w.add_head_count_kv(Hkv)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w = gguf_writer(path, arch, cfg)
     if vocab_meta:
         w.add_tokenizer_model("llama")
         w.add_token_list(vocab_meta["tokenizer.ggml.tokens"])
