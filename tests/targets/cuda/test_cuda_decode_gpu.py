@@ -278,11 +278,13 @@ def test_production_schedule_renders(arch):
 
 
 def test_fused_merge_renders_the_counter_arrival():
+    from uacompile.targets.cuda.build import INCLUDE_DIR
     from uacompile.targets.cuda.render import render_op
 
     op = PA(32, 8, 128, 16, "bf16", "bf16")
     src = render_op(pa_kernel(op, num_splits=4, fused_merge=True))
-    assert "constexpr bool FUSED_MERGE = true;" in src and "atom.acq_rel.gpu.global.add.s32" in src
+    assert "constexpr bool FUSED_MERGE = true;" in src and '#include "uacompile/paged_attention.cuh"' in src
+    assert "atom.acq_rel.gpu.global.add.s32" in (INCLUDE_DIR / "uacompile" / "paged_attention.cuh").read_text()
     assert "constexpr bool FUSED_MERGE = false;" in render_op(pa_kernel(op, num_splits=4))
 
 

@@ -37,6 +37,24 @@ template __global__ void rc_kernel<RcConfig<ua::bf16, uint8_t, ua::rc::RopeMode:
 template __global__ void rc_kernel<RcConfig<half, half, ua::rc::RopeMode::NONE, false, false, 0, 0>, 1, 1>(
     const half*, const half*, const int64_t*, const int64_t*, half*, half*, float*, float*, int64_t);
 """
+# paged_attention: two configurations (fp16 with a prefill path; a decode-only int8 cache with split-KV merged in the
+# launch, a window, ALiBi and soft-cap), their shared-memory sizes as targets/cuda/layout.py gives them
+PA_CONFIGS = """
+template <class Q, class KV, int D_, int MT, int ST, int SMEM, int MINB, bool QNT, bool SPLIT>
+struct PaConfig {
+  typedef Q qt;
+  typedef KV kvt;
+  static constexpr int D = D_, P = 16, HQ = 4 * D_ / 32, HKV = D_ / 32, NSPLIT = SPLIT ? 4 : 1, WINDOW = SPLIT ? 32 : 0;
+  static constexpr bool IS_BF16 = QNT, QUANT = QNT, IS_FP8 = false, UNIFIED = false, ALIBI = SPLIT, SOFTCAP = SPLIT;
+  static constexpr bool WRITE_LSE = false, FUSED_MERGE = SPLIT, MERGE_LSE = SPLIT, PDL = false, DYNAMIC = false;
+  static constexpr bool DECODE_ONLY = SPLIT;
+  static constexpr float SM_SCALE = 0.125f, CAP = 20.0f;
+  static constexpr int GROUPS = 1, PRODUCER_THREADS = 0, MT_PRE = MT, BN_PRE = 32, KV_ROWS = 64, NSTAGE = ST, DW = D_;
+  static constexpr int PREFILL_ROWS = 64 * MT, SMEM_BYTES = SMEM, SMEM_PREFILL = 0, MIN_BLOCKS = MINB;
+};
+template struct ua::PagedAttention<PaConfig<half, half, 128, 2, 2, 104448, 2, false, false>>;
+template struct ua::PagedAttention<PaConfig<ua::bf16, int8_t, 64, 1, 3, 35328, 3, true, true>>;
+"""
 # header -> an explicit instantiation of its templates (every member compiled), or "" for plain code
 HEADERS = {
     "common.cuh": "",
@@ -45,6 +63,7 @@ HEADERS = {
     "merge_state.cuh": "template struct ua::MergeState<half, 7, 16, 96, 4, 8, 256, true>;\n"
                        "template struct ua::MergeState<ua::bf16, 2, 32, 128, 4, 32, 256, false>;\n",
     "reshape_and_cache.cuh": RC_CONFIGS,
+    "paged_attention.cuh": PA_CONFIGS,
     "layer_ops.cuh": """
 __global__ void layer_ops_kernel(float* out, const half* in) {
   __shared__ float sums[32];
