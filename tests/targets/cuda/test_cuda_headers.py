@@ -51,6 +51,8 @@ struct PaConfig {
   static constexpr float SM_SCALE = 0.125f, CAP = 20.0f;
   static constexpr int GROUPS = 1, PRODUCER_THREADS = 0, MT_PRE = MT, BN_PRE = 32, KV_ROWS = 64, NSTAGE = ST, DW = D_;
   static constexpr int PREFILL_ROWS = 64 * MT, SMEM_BYTES = SMEM, SMEM_PREFILL = 0, MIN_BLOCKS = MINB;
+  static constexpr bool WGMMA = false;
+  static constexpr int BN_WG = 64, NST_WG = 2, CP_PRODUCER_BELOW = 8, CP_ROW_LANES = 4, Q_PREFETCH_MIN = 0;
 };
 template struct ua::PagedAttention<PaConfig<half, half, 128, 2, 2, 104448, 2, false, false>>;
 template struct ua::PagedAttention<PaConfig<ua::bf16, int8_t, 64, 1, 3, 35328, 3, true, true>>;

@@ -1,4 +1,4 @@
-"""The Hopper prefill path (wgmma + TMA, templates/cuda/attention_wgmma.cuh.j2) against the
+"""The Hopper prefill path (wgmma + TMA, targets/cuda/include/uacompile/paged_attention.cuh) against the
 float64 reference on the GPU, over the shapes that stress it: long prompts (many tiles, the TMA
 stages wrap around), chunks that start mid-sequence, many short sequences sharing one 64-row
 tile (the stage barriers' phases carry across runs), and mixed ubatches. With item_queue (the

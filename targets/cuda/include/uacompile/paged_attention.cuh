@@ -10,7 +10,7 @@
 //    stream their own 16-position K/V tiles (cp.async, 16-byte loads, NSTAGE deep) of the split's
 //    range and run mma.sync on them; their partial softmax states merge through smem at the end.
 //  - prefill: TM consecutive tokens; each run of one sequence in it is a tile of up to
-//    PREFILL_ROWS rows. Hopper: one warpgroup, wgmma and TMA (attention_wgmma.cuh.j2); elsewhere
+//    PREFILL_ROWS rows. Hopper: one warpgroup, wgmma and TMA (WGMMA, below); elsewhere
 //    16 * MT_PRE rows per warp, FlashAttention-2 style (Q stays in smem), sharing BN_PRE-position
 //    K/V tiles loaded by all warps, NSTAGE * KV_ROWS / BN_PRE tiles deep.
 // Positions are "virtual": v = seq * max_pages * P + j, so the flat page table is indexed by
@@ -19,9 +19,13 @@
 // Config: typedefs qt (q and out), kvt (the cache element); static constexpr int D, P, HQ, HKV, NSPLIT, WINDOW,
 // GROUPS, PRODUCER_THREADS, MT_PRE, BN_PRE, KV_ROWS, NSTAGE, DW, PREFILL_ROWS, SMEM_BYTES, SMEM_PREFILL,
 // MIN_BLOCKS; bool IS_BF16, QUANT, IS_FP8, UNIFIED, ALIBI, SOFTCAP, WRITE_LSE, FUSED_MERGE, MERGE_LSE, PDL,
-// DYNAMIC, DECODE_ONLY; float SM_SCALE, CAP (targets/cuda/render.py and layout.py say what each is).
+// DYNAMIC, DECODE_ONLY; float SM_SCALE, CAP (targets/cuda/render.py and layout.py say what each is). The Hopper
+// prefill path's: bool WGMMA; int BN_WG, NST_WG, CP_PRODUCER_BELOW, CP_ROW_LANES, Q_PREFETCH_MIN; and, with WGMMA,
+// static __device__ wg_qk (m64nBN_WGk16, both operands from shared memory), wg_qk_half (m64n(BN_WG/2)k16) and
+// wg_pv (m64nDWk16, A from registers, B transposed) wrapping wgmma.mma_async.
 #ifndef UA_PAGED_ATTENTION_CUH
 #define UA_PAGED_ATTENTION_CUH
+#include "uacompile/hopper.cuh"
 #include "uacompile/ptx.cuh"
 
 namespace ua {
@@ -1222,6 +1226,539 @@ static __device__ __forceinline__ void queue_done(const Params& p) {
     asm volatile("st.relaxed.gpu.global.s32 [%0], 0;\n" ::"l"(p.item_queue + 1) : "memory");
   }
 }
+
+// ---------------------------------------------------------------- Hopper prefill tiles (WGMMA)
+// Hopper (sm_90a) prefill tiles, where the Config says WGMMA. FlashAttention-3's structure: a block is three warpgroups. Warpgroup 2 is the
+// producer: one warp of it issues the bulk tensor copies (TMA, one box per page and 64-column half,
+// 128-byte swizzle) of K tiles, another those of V, into NST_WG stages, each on its own "full"
+// mbarrier, and refills a stage once every consumer warp has arrived on its "empty" one. Pages under
+// 8 positions are copied by cp.async instead, two warps for K and two for V (CP_PRODUCER). Warpgroups 0 and 1
+// are the consumers: 64 rows each of a 128-row tile (16 rows a warp, the row layout of the mma.sync
+// path, so the softmax and the stores are shared). S = Q K^T is wgmma with Q (swizzled in shared
+// memory) and K from shared memory; O += P V takes P from registers. Within a warpgroup the next
+// tile's S = Q K^T is in flight while the softmax of the current tile runs; between the two, turns
+// (named barriers) order their GEMM issues, so one warpgroup's softmax runs under the other's GEMMs.
+// setmaxnreg moves registers from the producer (24) to the consumers (240). With DYNAMIC (the config's item_queue) the
+// blocks are persistent, one a SM, each taking (tile, KV head, split group) items from an atomic queue:
+// the producer warps go on into the next item while the consumers finish the current one, so the
+// pipeline fills once a block, and the queue balances the blocks' loads.
+// The wgmma instructions (wg_qk, wg_qk_half, wg_pv: their operand lists follow the tile widths) are the Config's;
+// the members below are templates, instantiated only where the kernel takes the Hopper path.
+static constexpr bool WGMMA = Config::WGMMA;
+static constexpr int BN_WG = Config::BN_WG;                  // K/V positions per tile
+static constexpr int NST_WG = Config::NST_WG;             // TMA stages in flight
+static_assert(!WGMMA || NST_WG > 1, "the consumers hold V(i - 1) while K(i) lands: a ring of two stages or more");
+static constexpr int HALVES = DW / 64;                     // 64-column (128-byte) halves of a (padded) row
+// rows of one TMA box: a page, or a slice of it that tiles of BN_WG (D 64: 192) positions start on, gcd(P, BN_WG) for
+// pages of 2^k positions (BN_WG & -BN_WG: its lowest power of two)
+static constexpr int PB = P < (BN_WG & -BN_WG) ? P : (BN_WG & -BN_WG);
+static constexpr int BOXES = BN_WG / PB;                   // boxes per half of one K or V tile
+static constexpr int BOXES_A_LANE = (BOXES + 31) / 32;     // pages under 4 positions: a producer lane holds several
+// Pages under CP_PRODUCER_BELOW positions (the context's cp_producer_below, at most 8: TMA boxes need 8 rows or
+// more to be worth their issue cost): the producer warps copy K / V tiles with 16-byte cp.async instead of TMA.
+static constexpr int CP_PRODUCER_BELOW = Config::CP_PRODUCER_BELOW;
+static_assert(!WGMMA || CP_PRODUCER_BELOW <= 8, "TMA boxes of pages under 8 positions issue too slowly");
+static constexpr bool CP_PRODUCER = P < CP_PRODUCER_BELOW;
+// cp.async: two warps copy each of K and V, the producer warpgroup's otherwise idle half
+static constexpr int PRODUCER_PARTS = CP_PRODUCER ? 2 : 1;
+static constexpr int FULL_ARRIVALS = CP_PRODUCER ? 32 * PRODUCER_PARTS : 1;  // a stage's full barrier: the warps' cp.async, or the TMA bytes
+static constexpr int KV_TILE_BYTES = BN_WG * DW * 2;       // one K or V tile (16-bit elements, DW columns)
+static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;
+static constexpr int Q_WG_BYTES = 64 * DW * 2;             // one consumer warpgroup's Q rows, swizzled as K
+static constexpr int WG_SMEM_BYTES = NST_WG * STAGE_BYTES + GROUPS * Q_WG_BYTES + 1024;  // + the slack that aligns to 1024 B
+static_assert(!WGMMA || WG_SMEM_BYTES == SMEM_PREFILL, "attention.py and the template disagree on wgmma shared memory");
+static constexpr int OOB_ROW = -256;                       // a box row that starts here is all out of bounds: zeros
+static_assert(!WGMMA || DW % 64 == 0 && DW - D < 64 && D % 16 == 0 && BN_WG % PB == 0 && BN_WG % 16 == 0 && BOXES <= 192, "wgmma tile shapes");
+static constexpr int WG_WARPS = WARPS * GROUPS;            // the consumer warps: GROUPS warpgroups
+static constexpr int PRODUCER_WARP = WG_WARPS;             // the producer warpgroup's first warp loads K, its second V
+static constexpr int CONSUMER_REGS = 240, PRODUCER_REGS = 24;  // setmaxnreg: 2 x 128 x 240 + 128 x 24 <= 64K
+static_assert(!WGMMA || WARPS == 4 && GROUPS == 2 && PREFILL_ROWS == 16 * WG_WARPS && PRODUCER_THREADS == 128,
+              "two consumer warpgroups of 4 warps, 16 rows a warp, one producer warpgroup");
+// Named barriers (0 is __syncthreads; decode blocks use 1 and 2; 3 is consumer_sync):
+static constexpr int WG_BAR = 4;                           // + w: warpgroup w's 128 threads
+static constexpr int TURN_BAR = 6;                         // + w: warpgroup w may issue its GEMMs (256 threads)
+static_assert(!WGMMA || !QUANT && sizeof(kvt) == 2, "the wgmma path reads 16-bit KV");
+static constexpr int BN_HALF = BN_WG / 2;  // the width of a run's last tile when its second half is masked
+static_assert(!WGMMA || BN_HALF % 16 == 0, "a half tile is whole k-steps of O += P V");
+
+// mbarrier, TMA, named barrier, setmaxnreg, descriptor and wgmma fence wrappers: uacompile/hopper.cuh
+// A consumer's wait for a stage's K or V. cp.async (CP_PRODUCER) writes shared memory through the generic proxy,
+// and wgmma reads it through the async proxy: the fence orders the two for this thread's GEMMs.
+template <int = 0>
+static __device__ __forceinline__ void full_wait(uint32_t bar, uint32_t parity) {
+  mbar_wait(bar, parity);
+  if constexpr (CP_PRODUCER) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+
+// S = Q K^T over one K tile (Q rows of the warpgroup in smem); issued, not waited for.
+template <int = 0>
+static __device__ __forceinline__ void issue_qk(float (&s)[BN_WG / 8][4], Desc qd, Desc kd) {
+#pragma unroll
+  for (int kk = 0; kk < DK; ++kk) Config::wg_qk(s, kmajor_desc<64>(qd, kk), kmajor_desc<BN_WG>(kd, kk), kk > 0);
+}
+template <int = 0>
+static __device__ __forceinline__ void issue_qk(float (&s)[BN_WG / 8][4], uint32_t qtile, uint32_t ktile) {
+  issue_qk(s, smem_desc(qtile, 16), smem_desc(ktile, 16));
+}
+// The first BN_HALF columns of S, sh (the K tile's first BN_HALF rows: the same descriptors, fewer rows read).
+template <int = 0>
+static __device__ __forceinline__ void issue_qk_half(float (&sh)[BN_HALF / 8][4], uint32_t qtile, uint32_t ktile) {
+  const Desc qd = smem_desc(qtile, 16), kd = smem_desc(ktile, 16);
+#pragma unroll
+  for (int kk = 0; kk < DK; ++kk) Config::wg_qk_half(sh, kmajor_desc<64>(qd, kk), kmajor_desc<BN_WG>(kd, kk), kk > 0);
+}
+// O += P V over the first KSTEPS * 16 positions of one V tile (P fragments in registers); issued, not waited for.
+template <int KSTEPS = BN_WG / 16>
+static __device__ __forceinline__ void issue_pv(float (&acc)[DNS][4], const uint32_t (&pf)[BN_WG / 16][4], Desc vd) {
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) Config::wg_pv(acc, pf[kk], v_desc(vd, kk), 1);
+}
+template <int KSTEPS = BN_WG / 16>
+static __device__ __forceinline__ void issue_pv(float (&acc)[DNS][4], const uint32_t (&pf)[BN_WG / 16][4], uint32_t vtile) {
+  issue_pv<KSTEPS>(acc, pf, smem_desc(vtile, BN_WG * 128));
+}
+// Probabilities -> the A fragments of P (the accumulator layout of S is the A layout of P), the first KSTEPS.
+template <int KSTEPS = BN_WG / 16, int NT = BN_WG / 8>
+static __device__ __forceinline__ void pack_p(uint32_t (&pf)[BN_WG / 16][4], const float (&s)[NT][4]) {
+  static_assert(2 * KSTEPS <= NT, "KSTEPS k-steps of P take 2 KSTEPS n-tiles of S");
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    pf[kk][0] = pack2<IS_BF16>(s[2 * kk][0], s[2 * kk][1]);
+    pf[kk][1] = pack2<IS_BF16>(s[2 * kk][2], s[2 * kk][3]);
+    pf[kk][2] = pack2<IS_BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    pf[kk][3] = pack2<IS_BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+}
+
+// The page of box `box` of tile [j0, j0 + BN_WG), or -1 (zero fill) for a box outside
+// [load_lo, load_hi). A volatile load is issued where it stands: ptxas would otherwise sink the
+// page-table read of the next tile down to its use and expose its latency on every tile.
+template <int = 0>
+static __device__ __forceinline__ int box_page(const Params& p, int64_t j0, int64_t load_lo, int64_t load_hi, int box) {
+  const int64_t v = j0 + (int64_t)box * PB;  // first virtual position of the box
+  int page = -1;
+  if (box < BOXES && v + PB > load_lo && v < load_hi)
+    asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(page) : "l"(p.page_table + v / P));
+  return page;
+}
+// The pages of a lane's boxes lane, lane + 32, ... of one tile (one box a lane for pages of >= 4 positions);
+// all -1 unless `live` (no tile there).
+struct BoxPages {
+  int page[BOXES_A_LANE];
+};
+template <int = 0>
+static __device__ __forceinline__ BoxPages box_pages(const Params& p, int64_t j0, int64_t load_lo, int64_t load_hi, int lane,
+                                              bool live = true) {
+  BoxPages b;
+#pragma unroll
+  for (int k = 0; k < BOXES_A_LANE; ++k) b.page[k] = live ? box_page(p, j0, load_lo, load_hi, lane + 32 * k) : -1;
+  return b;
+}
+// Its TMA row: slot page * P + offset of the box's first position, or OOB_ROW (all zeros) for no page.
+template <int = 0>
+static __device__ __forceinline__ int box_row(int page, int64_t j0, int box) {
+  return page >= 0 ? page * P + (int)((j0 + (int64_t)box * PB) % P) : OOB_ROW;
+}
+
+// CP_PRODUCER: a warp's part of a K or V tile by 16-byte cp.async, into the layout the TMA boxes give (chunk c of
+// row r at c ^ (r % 8) in its 128-byte half-row); the columns past D and the rows of no page are zero-filled.
+// L lanes take a row, 32 / L rows an instruction; a lane's chunks L i + q of a row share its page lookup (a shuffle:
+// row r's page is box r / P's, pages.page[r / P / 32] of lane r / P % 32) and its addresses up to constants. Part
+// `part` of PRODUCER_PARTS takes every other 32 / L rows. The copies are issue-bound, so L leaves a lane >= 4 chunks
+// a row (the context's cp_row_lanes).
+template <int = 0>
+static __device__ __forceinline__ void copy_tile_cp(const kvt* cache, const BoxPages& pages, uint32_t dst, int h, int lane,
+                                             int part) {
+  constexpr int L = Config::CP_ROW_LANES, RI = 32 / L, CH = DW / 8, GROUP_ROWS = 32 * P < BN_WG ? 32 * P : BN_WG;
+  constexpr int64_t SLOT_BYTES = (int64_t)HKV * D * 2;
+  static_assert((L == 2 || L == 4 || L == 8) && CH % L == 0 && GROUP_ROWS % (RI * PRODUCER_PARTS) == 0 &&
+                BOXES_A_LANE * GROUP_ROWS == BN_WG, "cp.async tile copy");
+  const int q = lane % L;
+  const char* base = (const char*)(cache + (int64_t)h * D) + q * 16;
+#pragma unroll
+  for (int k = 0; k < BOXES_A_LANE; ++k) {
+#pragma unroll 2
+    for (int g = part; g < GROUP_ROWS / RI; g += PRODUCER_PARTS) {
+      const int rg = g * RI + lane / L, r = k * GROUP_ROWS + rg;  // the row in the box group, in the tile
+      const int page = __shfl_sync(0xffffffffu, pages.page[k], (rg / P) % 32);
+      const char* src = base + ((int64_t)max(page, 0) * P + r % P) * SLOT_BYTES;  // page -1: reads nothing, zeros
+      // chunk L i + q sits at ((L i) % 8 + q) ^ (r % 8) = ((L i) % 8) ^ q ^ (r % 8) of half L i / 8 (q < L divides 8)
+      const uint32_t row = dst + r * 128 + ((q ^ (r % 8)) << 4);
+#pragma unroll
+      for (int i = 0; i < CH / L; ++i) {
+        const bool valid = page >= 0 && (DW == D || (L * i + q) * 8 < D);
+        asm volatile(CP_ASYNC_CG " [%0], [%1], 16, %2;\n" ::"r"((row ^ (((L * i) % 8) << 4)) + (L * i / 8) * (BN_WG * 128)),
+                     "l"(src + i * L * 16), "r"(valid ? 16 : 0) : "memory");
+      }
+    }
+  }
+}
+
+// The virtual positions [lo, hi) that some row of the run [u0, u1) (one sequence) sees in split sp:
+// the union of its tokens' ranges (lo >= hi: none). One warp computes it, with no shared state,
+// so the producer and every consumer warp agree on the run's tiles without a barrier.
+template <int = 0>
+static __device__ __forceinline__ void run_range(const Params& p, int64_t u0, int64_t u1, int sp, int lane, int64_t& lo,
+                                          int64_t& hi) {
+  const int64_t BIG = (int64_t)1 << 62;
+  lo = BIG, hi = -BIG;
+  for (int64_t t = u0 + lane; t < u1; t += 32) {
+    int a, b;
+    split_range(p.token_kv_len[t], sp, a, b);
+    const int64_t base = (int64_t)p.token_seq[t] * p.max_pages * P;
+    if (a < b) lo = min(lo, base + a), hi = max(hi, base + b);
+  }
+  lo = warp_min(lo), hi = warp_max(hi);
+}
+
+// The stages' mbarriers: full_k, full_v (the producer's arrival + the copies' bytes), empty_k,
+// empty_v (an arrival of every consumer warp), NST_WG of each, 8 bytes apart.
+struct StageBars {
+  uint32_t base;
+  __device__ __forceinline__ uint32_t full_k(uint32_t s) const { return base + 8 * s; }
+  __device__ __forceinline__ uint32_t full_v(uint32_t s) const { return base + 8 * (NST_WG + s); }
+  __device__ __forceinline__ uint32_t empty_k(uint32_t s) const { return base + 8 * (2 * NST_WG + s); }
+  __device__ __forceinline__ uint32_t empty_v(uint32_t s) const { return base + 8 * (3 * NST_WG + s); }
+};
+// The token-window ring of the persistent (DYNAMIC) blocks: full(b), empty(b) for slot b of 2, 8 bytes apart.
+struct WindowBars {
+  uint32_t base;
+  __device__ __forceinline__ uint32_t full(uint32_t b) const { return base + 8 * b; }
+  __device__ __forceinline__ uint32_t empty(uint32_t b) const { return base + 8 * (2 + b); }
+};
+// A consumer warp is done reading a stage's K or V (its wgmma reads have completed).
+template <int = 0>
+static __device__ __forceinline__ void release(uint32_t empty_bar, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar_arrive(empty_bar);
+}
+
+// A producer warp: the K (or V) tiles of one run of a tile, KV head h, split sp; warp PRODUCER_WARP
+// loads K, the next one V, each against its own barriers, so neither waits behind the other's refill.
+// `ticket` counts the block's tiles (over all its items when persistent): tile c lives in stage
+// c % NST_WG; its copies complete phase
+// (c / NST_WG) & 1 of the stage's full barrier, and the consumers' release of its previous use,
+// c - NST_WG, completes phase (c / NST_WG - 1) & 1 of the empty one.
+// CP_PRODUCER: `cache` instead of the tensor map, and `part` of the tile's rows.
+template <int = 0>
+static __device__ __forceinline__ void produce_run_wg(const Params& p, const CUtensorMap* tm, const kvt* cache, uint32_t tiles,
+                                               uint32_t full, uint32_t empty, int64_t u0, int64_t u1, int h,
+                                               uint32_t& ticket, int sp, int part = 0) {
+  const int lane = threadIdx.x % 32;
+  int64_t lo, hi;
+  run_range(p, u0, u1, sp, lane, lo, hi);
+  if (lo >= hi) return;
+  const int64_t first = (lo / BN_WG) * BN_WG;
+  const int n = (int)((hi - first + BN_WG - 1) / BN_WG);
+  BoxPages pages = box_pages(p, first, lo, hi, lane);
+  for (int i = 0; i < n; ++i) {
+    const uint32_t c = ticket + i, s = c % NST_WG;
+    const int64_t j0 = first + (int64_t)i * BN_WG;
+    const BoxPages next = box_pages(p, j0 + BN_WG, lo, hi, lane, i + 1 < n);  // in flight during the wait
+    if (c >= NST_WG) mbar_wait(empty + 8 * s, (c / NST_WG - 1) & 1);
+    if constexpr (CP_PRODUCER) {  // each lane's arrival follows its copies
+      copy_tile_cp(cache, pages, tiles + s * STAGE_BYTES, h, lane, part);
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * s) : "memory");
+    } else {
+      if (lane == 0) mbar_expect_tx(full + 8 * s, KV_TILE_BYTES);
+      __syncwarp();
+#pragma unroll
+      for (int k = 0; k < BOXES_A_LANE; ++k) {
+        const int box = lane + 32 * k;
+        if (box < BOXES) {
+          // a box of PB < 8 rows starts inside a 1024-byte swizzle atom: TMA swizzles by the shared-memory
+          // address, so its rows land where a whole-atom box would put them
+          const int row = box_row(pages.page[k], j0, box);
+          const uint32_t dst = tiles + s * STAGE_BYTES + box * (PB * 128);
+#pragma unroll
+          for (int hf = 0; hf < HALVES; ++hf)
+            tma_load_3d(dst + hf * (BN_WG * 128), tm, hf * 64, h, row, full + 8 * s);
+        }
+      }
+    }
+    pages = next;
+  }
+  ticket += n;
+}
+
+// This warp's 16 rows of its warpgroup's Q tile into shared memory, in the 128-byte swizzle TMA gives
+// K (16-byte chunk c of row r at chunk c ^ (r % 8)); rows past the run are zeros. A padded row's columns past D
+// are left as they are: S = Q K^T reads D / 16 k-steps only, by cp.async, waited for by q_staged().
+template <int = 0>
+static __device__ __forceinline__ void stage_q_wg(const Params& p, uint32_t qtile, int wrow, int64_t u0, int nrows, int h,
+                                           int lane) {
+  constexpr int CH = D / 8;  // 16-byte chunks of a row
+#pragma unroll
+  for (int k = 0; k < 16 * CH / 32; ++k) {
+    const int idx = lane + 32 * k, rl = wrow % 64 + idx / CH, c = idx % CH, r = wrow + idx / CH;
+    const uint32_t dst = qtile + (c / 8) * (64 * 128) + rl * 128 + (((c % 8) ^ (rl % 8)) * 16);
+    // a row past the run reads nothing (source size 0) and is zero-filled
+    const qt* src = r < nrows ? p.q + ((u0 + r / G) * HQ + (int64_t)h * G + r % G) * D + c * 8 : p.q;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(r < nrows ? 16 : 0)
+                 : "memory");
+  }
+  cp_async_commit();
+}
+// The cp.async copies of stage_q_wg have landed and are visible to wgmma (the async proxy).
+template <int = 0>
+static __device__ __forceinline__ void q_staged() {
+  cp_async_wait<0>();
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// The V producer warp, on receiving an item, prefetches its Q rows into L2 (a token's G heads
+// of KV head h are G * D contiguous elements): the consumers stage them NST_WG or more tiles later, from
+// L2 instead of HBM. (The V warp: the K warp, which also takes the items, has no register to spare.)
+// Not where a token's rows are under Q_PREFETCH_MIN bytes (the context's q_prefetch_min; with MHA's small rows,
+// many bulk prefetches an item queue ahead of the V warp's tile copies and delay V(0)).
+static constexpr int Q_PREFETCH_MIN = Config::Q_PREFETCH_MIN;
+template <int = 0>
+static __device__ __forceinline__ void prefetch_q_l2(const Params& p, int64_t tb, int64_t te, int h, int lane) {
+  static_assert(G * D * sizeof(qt) % 16 == 0, "bulk prefetch sizes are multiples of 16 bytes");
+  if constexpr (G * D * (int)sizeof(qt) < Q_PREFETCH_MIN) return;
+  const qt* q0 = p.q + (tb * HQ + (int64_t)h * G) * D;
+#pragma unroll 1
+  for (int i = lane; i < (int)(te - tb); i += 32)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(q0 + (int64_t)i * (HQ * D)),
+                 "n"((int)(G * D * sizeof(qt))) : "memory");
+}
+
+// PREFILL_OVERLAP: a run of the consumer warpgroups stops before its last O += P V; the warpgroup's next run
+// issues it in its first turn, ahead of its own S(0) = Q K(0)^T, and stores the rows under S(0). What the run
+// leaves (registers only, nothing in flight between the runs): O, m and l, the last tile's P fragments, its
+// V stage and phase, whether it is half wide, where the rows go. The next run takes st and pf as its own once
+// it has stored them.
+struct RunTail {
+  State st;
+  uint32_t pf[BN_WG / 16][4];
+  int64_t u0;
+  int nrows, h, sp;
+  uint32_t v_stage, v_phase;
+  bool half, pending;  // pending: O += P V not issued, rows not stored (the same in every consumer warp)
+};
+// The last O += P V of the pending run has completed (the caller waited for it): release its V stage, store its rows.
+template <int = 0>
+static __device__ __forceinline__ void store_tail(const Params& p, StageBars bars, RunTail& t) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  fence_acc(t.st.acc);
+  fence_frag(t.pf);
+  release(bars.empty_v(t.v_stage), lane);
+  store_run_rows(p, t.st, warp * 16, t.u0, t.nrows, t.h, lane, t.sp);
+  t.pending = false;
+}
+// The pending run's O += P V in a turn of its own, as production's last tile (no S(0) to go with it: a run
+// that sees no position, the fused merge of the item, the block's end), then its rows. Off: never pending.
+template <int = 0>
+static __device__ __forceinline__ void flush_tail(const Params& p, uint32_t stages, StageBars bars, RunTail& t) {
+  if constexpr (PREFILL_OVERLAP) {
+    if (!t.pending) return;
+    const int wg = threadIdx.x / THREADS;
+    auto last_pv = [&](auto ksteps) {
+      named_sync(TURN_BAR + wg, 2 * THREADS);
+      fence_acc(t.st.acc);
+      wg_arrive();
+      issue_pv<decltype(ksteps)::value>(t.st.acc, t.pf, stages + t.v_stage * STAGE_BYTES + KV_TILE_BYTES);
+      wg_commit();
+      named_arrive(TURN_BAR + (1 - wg), 2 * THREADS);
+    };
+    full_wait(bars.full_v(t.v_stage), t.v_phase);
+    if (t.half) last_pv(std::integral_constant<int, BN_HALF / 16>());
+    else last_pv(std::integral_constant<int, BN_WG / 16>());
+    wg_wait<0>();
+    store_tail(p, bars, t);
+  }
+}
+
+// Consumer warpgroups: one run of consecutive tokens of one sequence, KV head h, at most PREFILL_ROWS rows:
+// row r = (token u0 + r / G, head h * G + r % G); warpgroup w has rows [64 w, 64 w + 64), warp i of
+// it 16 of them. Both warpgroups read every K/V tile; `ticket` as in produce_run_wg. Each GEMM issue
+// is a turn: warpgroup w waits on TURN_BAR + w, issues, then lets the other one go. PREFILL_OVERLAP: the run's
+// first turn issues the last O += P V of the run before (tail) and then S(0), and stores the run before's rows
+// under S(0); it leaves its own last O += P V in tail. Both warpgroups walk the same runs with the same tail,
+// so they take the same number of turns.
+template <int = 0>
+static __device__ __forceinline__ void prefill_run_wg(const Params& p, uint32_t stages, uint32_t qtiles, StageBars bars,
+                                               int64_t u0, int64_t u1, int h, uint32_t& ticket, int sp,
+                                               RunTail& tail) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
+  const int nrows = (int)(u1 - u0) * G;
+  const uint32_t qtile = qtiles + wg * Q_WG_BYTES;
+  auto turn_begin = [&] { named_sync(TURN_BAR + wg, 2 * THREADS); };
+  auto turn_end = [&] { named_arrive(TURN_BAR + (1 - wg), 2 * THREADS); };
+  // Q's copies in flight while the rows' ranges are read
+  named_sync(WG_BAR + wg, THREADS);  // the warpgroup's GEMMs of the previous run are done with its Q tile
+  stage_q_wg(p, qtile, warp * 16, u0, nrows, h, lane);
+  Rows rw;
+  set_run_rows(p, rw, warp * 16, u0, nrows, h, lane, sp);
+  int64_t lo, hi;
+  run_range(p, u0, u1, sp, lane, lo, hi);
+  q_staged();
+  named_sync(WG_BAR + wg, THREADS);
+  State own;
+  State& st = PREFILL_OVERLAP ? tail.st : own;  // OVERLAP: the run before's O until it is stored
+  if constexpr (!PREFILL_OVERLAP) init_state(st);
+  if (lo < hi) {
+    const int64_t first = (lo / BN_WG) * BN_WG;
+    const int n = (int)((hi - first + BN_WG - 1) / BN_WG);
+    // No row of the run sees past the first BN_HALF positions of its last tile (hi is the
+    // same in every warp): that tile, if not the first, runs half wide after the loop.
+    const bool half_last = n > 1 && hi - (first + (int64_t)(n - 1) * BN_WG) <= BN_HALF;
+    int n_loop = half_last ? n - 1 : n;
+    asm volatile("" : "+r"(n_loop));  // kept in a register, not re-derived each tile
+    const uint32_t base = ticket;
+    float s[BN_WG / 8][4];
+    uint32_t own_pf[BN_WG / 16][4];
+    auto& pf = PREFILL_OVERLAP ? tail.pf : own_pf;  // OVERLAP: the run before's P until its O += P V is done
+    float alpha[2];
+    // tile 0: scores and probabilities
+    {
+      const uint32_t s0 = base % NST_WG;
+      full_wait(bars.full_k(s0), (base / NST_WG) & 1);
+      if constexpr (PREFILL_OVERLAP) {
+        // one turn: the run before's last O += P V (none, half or whole: one wgmma sequence a path), then S(0)
+        auto first_turn = [&](auto ksteps) {
+          turn_begin();
+          fence_acc(s);
+          if constexpr (decltype(ksteps)::value > 0) fence_acc(st.acc);
+          wg_arrive();
+          if constexpr (decltype(ksteps)::value > 0) {
+            issue_pv<decltype(ksteps)::value>(st.acc, pf, stages + tail.v_stage * STAGE_BYTES + KV_TILE_BYTES);
+            wg_commit();
+          }
+          issue_qk(s, qtile, stages + s0 * STAGE_BYTES);
+          wg_commit();
+          turn_end();
+        };
+        // The wait and the stores on the pending path only: ptxas serialises every wgmma (C7515) when they
+        // follow the paths' merge, and (C7511) when the rows' range loads move under the GEMMs too.
+        if (!tail.pending) {
+          first_turn(std::integral_constant<int, 0>());
+        } else {
+          full_wait(bars.full_v(tail.v_stage), tail.v_phase);
+          if (tail.half) first_turn(std::integral_constant<int, BN_HALF / 16>());
+          else first_turn(std::integral_constant<int, BN_WG / 16>());
+          wg_wait<1>();  // the O += P V is done, S(0) may not be: the run before's stores under S(0)
+          store_tail(p, bars, tail);
+        }
+        init_state(st);
+      } else {
+        turn_begin();
+        fence_acc(s);
+        wg_arrive();
+        issue_qk(s, qtile, stages + s0 * STAGE_BYTES);
+        wg_commit();
+        turn_end();
+      }
+      wg_wait<0>();
+      fence_acc(s);
+      release(bars.empty_k(s0), lane);
+      softmax_scores<BN_WG>(s, first, rw, st.m, st.l, alpha, lane);  // O is still zero: alpha unused
+      pack_p(pf, s);
+    }
+    // LEAN: the stage and phase of tile i - 1 step with i (no division by NST_WG a tile), and tiles
+    // [unmasked_lo, unmasked_hi) of the run need no mask (one 32-bit test a tile, not four 64-bit ones).
+    // The descriptors' low words of stage 0's K and V tiles and of Q are set once a run (stage s: + s
+    // STAGE_BYTES >> 4), and the barrier base is made opaque so ptxas keeps it in a register instead of
+    // rebuilding the shared-window address every tile.
+    uint32_t lean_stage = base % NST_WG, lean_phase = (base / NST_WG) & 1;
+    int unmasked_lo = 0, unmasked_hi = 0;
+    uint32_t k_lo0 = 0, v_lo0 = 0, q_lo = 0;
+    {
+      asm volatile("" : "+r"(bars.base));
+      k_lo0 = desc_lo(stages, 16), v_lo0 = desc_lo(stages + KV_TILE_BYTES, BN_WG * 128), q_lo = desc_lo(qtile, 16);
+      const int64_t to_lo = rw.lo_max - first, to_hi = rw.hi_min - first;  // tile i unmasked: i * BN_WG >= to_lo,
+      unmasked_lo = (int)min((int64_t)n, to_lo <= 0 ? 0 : (to_lo + BN_WG - 1) / BN_WG);  // (i + 1) * BN_WG <= to_hi
+      unmasked_hi = (int)min((int64_t)n, to_hi <= 0 ? 0 : to_hi / BN_WG);
+    }
+    for (int i = 1; i < n_loop; ++i) {
+      uint32_t cur, prev, cur_phase, prev_phase;
+      if constexpr (NST_WG > 1) {  // a ring of stages: tile i - 1's stage and phase, then tile i's
+        prev = lean_stage, prev_phase = lean_phase;
+        lean_stage = lean_stage + 1 == NST_WG ? 0 : lean_stage + 1;
+        lean_phase ^= lean_stage == 0;
+        cur = lean_stage, cur_phase = lean_phase;
+      }
+      full_wait(bars.full_k(cur), cur_phase);
+      full_wait(bars.full_v(prev), prev_phase);
+      turn_begin();
+      fence_acc(s);
+      fence_acc(st.acc);
+      wg_arrive();
+      issue_qk(s, broadcast_desc(q_lo), broadcast_desc(k_lo0 + cur * (STAGE_BYTES >> 4)));  // S(i) = Q K(i)^T ...
+      wg_commit();
+      issue_pv(st.acc, pf, broadcast_desc(v_lo0 + prev * (STAGE_BYTES >> 4)));  // ... while O += P(i-1) V(i-1)
+      wg_commit();
+      turn_end();
+      wg_wait<1>();
+      fence_acc(s);
+      release(bars.empty_k(cur), lane);
+      const int64_t j0 = first + (int64_t)i * BN_WG;
+      const bool need = softmax_scores<BN_WG>(s, j0, i >= unmasked_lo && i < unmasked_hi, rw, st.m, st.l, alpha, lane);
+      wg_wait<0>();
+      fence_acc(st.acc);
+      release(bars.empty_v(prev), lane);
+      if (need) rescale_acc(st.acc, alpha);
+      pack_p(pf, s);
+    }
+    const uint32_t c = base + n - 1, last = c % NST_WG;
+    if (half_last) {  // the loop's step for tile n - 1 at half width: its other half is masked in every row
+      const uint32_t prev = (c - 1) % NST_WG;
+      full_wait(bars.full_k(last), (c / NST_WG) & 1);
+      full_wait(bars.full_v(prev), ((c - 1) / NST_WG) & 1);
+      // the tile's scores in an array of their own, undefined on entry like s at tile 0 (s is dead by then: its
+      // probabilities are in P); in the first half of s, the loop's last S values would flow into the half-wide
+      // wgmma as in-out accumulators, and ptxas serialises every wgmma of the kernel (C7511)
+      float sh[BN_HALF / 8][4];
+      turn_begin();
+      fence_acc(sh);
+      fence_acc(st.acc);
+      wg_arrive();
+      issue_qk_half(sh, qtile, stages + last * STAGE_BYTES);
+      wg_commit();
+      issue_pv(st.acc, pf, stages + prev * STAGE_BYTES + KV_TILE_BYTES);
+      wg_commit();
+      turn_end();
+      wg_wait<1>();
+      fence_acc(sh);
+      release(bars.empty_k(last), lane);
+      const bool need = softmax_core<BN_HALF, true>(sh, first + (int64_t)(n - 1) * BN_WG, rw, st.m, st.l, alpha, lane);
+      wg_wait<0>();
+      fence_acc(st.acc);
+      release(bars.empty_v(prev), lane);
+      if (need) rescale_acc(st.acc, alpha);
+      pack_p<BN_HALF / 16>(pf, sh);
+    }
+    // O += P V of the last tile (its first KSTEPS k-steps); a path of its own for either depth (one wgmma
+    // sequence after one arrive: ptxas serialises every wgmma of the kernel when a fence is shared by two)
+    auto last_pv = [&](auto ksteps) {
+      full_wait(bars.full_v(last), (c / NST_WG) & 1);
+      turn_begin();
+      fence_acc(st.acc);
+      wg_arrive();
+      issue_pv<decltype(ksteps)::value>(st.acc, pf, stages + last * STAGE_BYTES + KV_TILE_BYTES);
+      wg_commit();
+      turn_end();
+    };
+    if constexpr (PREFILL_OVERLAP) {  // the next run's first turn (or flush_tail) issues it
+      tail.u0 = u0, tail.nrows = nrows, tail.h = h, tail.sp = sp;
+      tail.v_stage = last, tail.v_phase = (c / NST_WG) & 1, tail.half = half_last, tail.pending = true;
+      ticket = base + n;
+      return;
+    }
+    if (half_last) last_pv(std::integral_constant<int, BN_HALF / 16>());
+    else last_pv(std::integral_constant<int, BN_WG / 16>());
+    wg_wait<0>();
+    fence_acc(st.acc);
+    release(bars.empty_v(last), lane);
+    ticket = base + n;
+  }
+  if constexpr (PREFILL_OVERLAP) {  // no position seen: the run before first, then this one's rows (O = 0, lse = -inf)
+    flush_tail(p, stages, bars, tail);
+    init_state(st);
+  }
+  store_run_rows(p, st, warp * 16, u0, nrows, h, lane, sp);
+}
+
 };
 }  // namespace ua
 #endif
