@@ -37,7 +37,7 @@ template __global__ void rc_kernel<RcConfig<ua::bf16, uint8_t, ua::rc::RopeMode:
 template __global__ void rc_kernel<RcConfig<half, half, ua::rc::RopeMode::NONE, false, false, 0, 0>, 1, 1>(
     const half*, const half*, const int64_t*, const int64_t*, half*, half*, float*, float*, int64_t);
 """
-# paged_attention: two configurations (fp16 with a prefill path; a decode-only int8 cache with split-KV merged in the
+# paged_attention: a kernel over each of two configurations (fp16 with an mma.sync prefill path; a decode-only int8 cache with split-KV merged in the
 # launch, a window, ALiBi and soft-cap), their shared-memory sizes as targets/cuda/layout.py gives them
 PA_CONFIGS = """
 template <class Q, class KV, int D_, int MT, int ST, int SMEM, int MINB, bool QNT, bool SPLIT>
@@ -54,8 +54,16 @@ struct PaConfig {
   static constexpr bool WGMMA = false;
   static constexpr int BN_WG = 64, NST_WG = 2, CP_PRODUCER_BELOW = 8, CP_ROW_LANES = 4, Q_PREFETCH_MIN = 0;
 };
+using PaHalf = ua::PagedAttention<PaConfig<half, half, 128, 2, 2, 104448, 2, false, false>>;
+using PaInt8 = ua::PagedAttention<PaConfig<ua::bf16, int8_t, 64, 1, 3, 35328, 3, true, true>>;
 template struct ua::PagedAttention<PaConfig<half, half, 128, 2, 2, 104448, 2, false, false>>;
 template struct ua::PagedAttention<PaConfig<ua::bf16, int8_t, 64, 1, 3, 35328, 3, true, true>>;
+__global__ void __launch_bounds__(PaHalf::BLOCK_THREADS, 2) pa_half(const PaHalf::Params p) {
+  PaHalf::run<>(p, nullptr, nullptr);
+}
+__global__ void __launch_bounds__(PaInt8::BLOCK_THREADS, 3) pa_int8(const PaInt8::Params p) {
+  PaInt8::run<>(p, nullptr, nullptr);
+}
 """
 # header -> an explicit instantiation of its templates (every member compiled), or "" for plain code
 HEADERS = {

@@ -1,6 +1,6 @@
-// paged_attention: the UA paged-attention kernel's body, templated on a Config (templates/cuda/paged_attention.cu.j2
-// writes one from the op and its CUDA config, derives its kernel struct from PagedAttention<Config> and adds the
-// __global__ entry and the launcher).
+// paged_attention: the UA paged-attention kernel, templated on a Config (templates/cuda/paged_attention.cu.j2 writes
+// one from the op and its CUDA config; its __global__ entry calls PagedAttention<Config>::run, and its launcher
+// fills Params).
 //
 // One launch serves any mix of decode tokens and prefill chunks (the UA form). Rows of a tile
 // are (token, q head of one KV group) pairs, so the heads of a GQA group share every K/V load.
@@ -25,6 +25,7 @@
 // wg_pv (m64nDWk16, A from registers, B transposed) wrapping wgmma.mma_async.
 #ifndef UA_PAGED_ATTENTION_CUH
 #define UA_PAGED_ATTENTION_CUH
+#include <cudaTypedefs.h>  // the tensor-map encoder's type (encode_kv_map)
 #include "uacompile/hopper.cuh"
 #include "uacompile/ptx.cuh"
 
@@ -1759,6 +1760,266 @@ static __device__ __forceinline__ void prefill_run_wg(const Params& p, uint32_t 
   store_run_rows(p, st, warp * 16, u0, nrows, h, lane, sp);
 }
 
+
+// ---------------------------------------------------------------- the kernel
+// The __global__ entry's body (tmk, tmv: the K and V caches' tensor maps on the Hopper path, else null).
+template <int = 0>
+static __device__ __forceinline__ void run(const Params& p, const CUtensorMap* tmk, const CUtensorMap* tmv) {
+  // 128-byte aligned for the swizzled tile rows (each row whole smem segments)
+  extern __shared__ __align__(128) char smem[];
+  // The prefill roles' shared arrays, declared here at the top (a kernel's arrays are laid out in the order they are
+  // emitted, outer blocks' first): the persistent blocks' item ring and its barriers (DYNAMIC), a prefill tile's token
+  // window and the Hopper stage barriers. A kernel keeps the ones it uses.
+  __shared__ int seq_ring[2][TM + 2];
+  __shared__ int item_ring[2];
+  __shared__ __align__(8) uint64_t ring_bars[4 * NST_WG + 4];
+  __shared__ int seq_smem[TM + 2];
+  __shared__ __align__(8) uint64_t stage_bars[4 * NST_WG];
+  const int64_t T = p.num_tokens;
+  pdl_start();  // PDL: nothing below may touch global memory before the previous kernel is done
+  // block_coord(p) is read where used, not kept: the prefill path has no register to spare
+  if (DECODE_ONLY || block_coord(p).x < p.num_decode_blocks) {
+    if constexpr (WGMMA) {
+      // Decode blocks have no use for the producer warpgroup: its registers go to the decode groups.
+      // (Each role's path ends in its own return: ptxas must know the register count everywhere.)
+      if (threadIdx.x >= CONSUMER_THREADS) {
+        regs_down<PRODUCER_REGS>();
+        return;
+      }
+      regs_up<CONSUMER_REGS>();
+    }
+    // Decode group b (group g of block x: b = x * GROUPS + g) takes the isolated tokens of rank b,
+    // b + num_decode, ... (rank = order among tokens that are the only token of their sequence in
+    // their neighbourhood). Groups share nothing but the block: each has its own smem and barrier.
+    __shared__ int warp_count_all[GROUPS][WARPS];
+    __shared__ long long chosen_all[GROUPS];
+    const int grp = threadIdx.x / THREADS, tid = threadIdx.x % THREADS;
+    int* warp_count = warp_count_all[grp];
+    long long& chosen = chosen_all[grp];
+    char* gsmem = smem + grp * SMEM_NEEDED;
+    const int warp = tid / 32, lane = threadIdx.x % 32;
+    const int sp = SPLIT_GROUPS > 1 ? block_coord(p).z * SPLIT_GROUPS + grp : block_coord(p).z;
+    if (sp >= NSPLIT) return;  // the odd split count's last block: a group without a split
+    int64_t target = SPLIT_GROUPS > 1 ? block_coord(p).x : block_coord(p).x * GROUPS + grp, rank_base = 0;
+    Guess guess;
+    load_guess(p, guess, target < T ? target : -1, kv_head(p), lane);
+    if constexpr (DECODE_ONLY) {
+      for (; target < T; target += p.num_decode) {  // the guess is right: token `target` is this group's
+        decode_token(p, gsmem, target, sp, guess);
+      }
+      (void)rank_base, (void)warp, (void)warp_count, (void)chosen;
+    } else {
+      for (int64_t c0 = 0; c0 < T; c0 += THREADS * 8) {
+        const int64_t t0 = c0 + tid * 8;
+        int seqs[10];
+#pragma unroll
+        for (int i = 0; i < 10; ++i) {
+          const int64_t t = t0 - 1 + i;
+          seqs[i] = (t >= 0 && t < T) ? p.token_seq[t] : -2 - i;  // distinct sentinels
+        }
+        uint32_t flags = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (t0 + i < T && seqs[i] != seqs[i + 1] && seqs[i + 2] != seqs[i + 1]) flags |= 1u << i;
+        const int cnt = __popc(flags);
+        int incl = cnt;
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) {
+          const int y = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o) incl += y;
+        }
+        if (lane == 31) warp_count[warp] = incl;
+        decode_group_sync();
+        int total = 0, before = 0;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+          before += w < warp ? warp_count[w] : 0;
+          total += warp_count[w];
+        }
+        const int excl = before + incl - cnt;
+        while (target < rank_base + total) {
+          const int k = (int)(target - rank_base);
+          if (k >= excl && k < excl + cnt) {
+            uint32_t f = flags;
+            for (int skip = k - excl; skip > 0; --skip) f &= f - 1;
+            chosen = t0 + (__ffs(f) - 1);
+          }
+          decode_group_sync();
+          decode_token(p, gsmem, chosen, sp, guess);
+          target += p.num_decode;
+        }
+        rank_base += total;
+        decode_group_sync();
+      }
+    }
+    return;
+  }
+  if constexpr (!DECODE_ONLY) {
+    if constexpr (DYNAMIC) {
+      // Persistent prefill blocks (DYNAMIC): the K producer warp takes items from the queue (take_item)
+      // and hands each over through a two-slot ring: its index and token window in slot k % 2, "full"
+      // once written (1 arrival), "empty" once the V warp and every consumer warp are done with it
+      // (WG_WARPS + 1 arrivals: the fused merge reads the window too); index -1 ends the block. The
+      // producer warps run on into the next item (the stage tickets go on), so a block fills its
+      // pipeline once, not once a tile.
+      const StageBars bars{smem_addr(ring_bars)};
+      const WindowBars windows{bars.base + 8 * 4 * NST_WG};
+      const uint32_t stages = (smem_addr(smem) + 1023) & ~1023u;  // 128-byte swizzle atoms: 1024-aligned
+      const uint32_t qtiles = stages + NST_WG * STAGE_BYTES;
+      if (threadIdx.x == 0) {
+        for (int i = 0; i < NST_WG; ++i) {
+          mbar_init(bars.full_k(i), FULL_ARRIVALS), mbar_init(bars.full_v(i), FULL_ARRIVALS);
+          mbar_init(bars.empty_k(i), WG_WARPS), mbar_init(bars.empty_v(i), WG_WARPS);
+        }
+        // a window slot is free once the consumer warps and the producer warps other than the queue's are done with it
+        for (int b = 0; b < 2; ++b) mbar_init(windows.full(b), 1), mbar_init(windows.empty(b), WG_WARPS + 2 * PRODUCER_PARTS - 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      }
+      __syncthreads();
+      if (threadIdx.x >= CONSUMER_THREADS) {
+        regs_down<PRODUCER_REGS>();
+        // role 0: K and the queue, 1: V; with cp.async (PRODUCER_PARTS 2) 2: K and 3: V of the other rows; else idle
+        const int lane = threadIdx.x % 32, role = threadIdx.x / 32 - PRODUCER_WARP;
+        uint32_t ticket = 0;
+        if (role == 0) {
+          for (uint32_t k = 0;; ++k) {
+            const uint32_t b = k % 2;
+            if (k >= 2) mbar_wait(windows.empty(b), (k / 2 - 1) & 1);  // item k - 2 is done with the slot
+            const int item = take_item(p, seq_ring[b], lane);
+            if (lane == 0) item_ring[b] = item;
+            __syncwarp();
+            if (lane == 0) mbar_arrive(windows.full(b));
+            if (item < 0) break;
+            const PrefillItem it = prefill_item(p, item);
+            for_each_run(it.tb, it.te, seq_ring[b], [&] { return it.zs; }, [&](int64_t u, int64_t u1, int sp) {
+              produce_run_wg(p, tmk, p.k_cache, stages, bars.full_k(0), bars.empty_k(0), u, u1, it.h, ticket, sp);
+            });
+          }
+          if (lane == 0) queue_done(p);
+        }
+        if (role > 0 && role < 2 * PRODUCER_PARTS) {
+          const bool v = PRODUCER_PARTS == 1 || role % 2 == 1, first = PRODUCER_PARTS == 1 || role == 1;
+          const int part = PRODUCER_PARTS == 1 ? 0 : role / 2;
+          for (uint32_t k = 0;; ++k) {
+            const uint32_t b = k % 2;
+            mbar_wait(windows.full(b), (k / 2) & 1);
+            const int item = item_ring[b];
+            if (item < 0) break;
+            const PrefillItem it = prefill_item(p, item);
+            if (first) prefetch_q_l2(p, it.tb, it.te, it.h, lane);
+            for_each_run(it.tb, it.te, seq_ring[b], [&] { return it.zs; }, [&](int64_t u, int64_t u1, int sp) {
+              produce_run_wg(p, v ? tmv : tmk, v ? p.v_cache : p.k_cache, stages + (v ? KV_TILE_BYTES : 0),
+                             v ? bars.full_v(0) : bars.full_k(0), v ? bars.empty_v(0) : bars.empty_k(0), u, u1, it.h,
+                             ticket, sp, part);
+            });
+            release(windows.empty(b), lane);
+          }
+        }
+        return;
+      }
+      regs_up<CONSUMER_REGS>();
+      const int wg = threadIdx.x / THREADS;
+      if (wg == 1) named_arrive(TURN_BAR, 2 * THREADS);  // warpgroup 0 takes the first turn
+      uint32_t ticket = 0;
+      RunTail tail;  // PREFILL_OVERLAP: the warpgroup's last run, its last O += P V not yet issued, its rows not stored
+      tail.pending = false;
+      for (uint32_t k = 0;; ++k) {
+        const uint32_t b = k % 2;
+        mbar_wait(windows.full(b), (k / 2) & 1);
+        const int item = item_ring[b];
+        if (item < 0) break;
+        const PrefillItem it = prefill_item(p, item);
+        for_each_run(it.tb, it.te, seq_ring[b], [&] { return it.zs; }, [&](int64_t u, int64_t u1, int sp) {
+          prefill_run_wg(p, stages, qtiles, bars, u, u1, it.h, ticket, sp, tail);
+        });
+        if (FUSED_MERGE) {  // once the tile's runs are stored
+          flush_tail(p, stages, bars, tail);
+          merge_prefill_tile(p, it.tb, it.te, seq_ring[b], it.h, it.zs);
+        }
+        release(windows.empty(b), threadIdx.x % 32);
+      }
+      flush_tail(p, stages, bars, tail);
+      if (wg == 0) named_sync(TURN_BAR, 2 * THREADS);  // warpgroup 1's last turn: every arrival is matched
+    } else {
+      // prefill tile (heaviest, i.e. last, tiles first)
+      const int64_t tile = p.num_prefill_tiles - 1 - (block_coord(p).x - p.num_decode_blocks);
+      const int64_t tb = tile * TM, te = min(tb + TM, T);
+      fill_window(p, seq_smem, tb, te, threadIdx.x, BLOCK_THREADS);
+      // a tile of lone tokens only (every tile of a pure decode launch): nothing to do
+      __syncthreads();
+      if (!__syncthreads_or(window_has_run(seq_smem, te - tb, threadIdx.x, BLOCK_THREADS))) return;
+      // The runs of the tile and the splits this block takes of each, in the order every role walks them.
+      auto for_each_run_here = [&](auto&& run) { for_each_run(tb, te, seq_smem, [&] { return block_coord(p).z; }, run); };
+      if constexpr (WGMMA) {
+        const StageBars bars{smem_addr(stage_bars)};
+        const uint32_t stages = (smem_addr(smem) + 1023) & ~1023u;  // 128-byte swizzle atoms: 1024-aligned
+        const uint32_t qtiles = stages + NST_WG * STAGE_BYTES;
+        if (threadIdx.x == 0) {
+          for (int i = 0; i < NST_WG; ++i) {
+            mbar_init(bars.full_k(i), FULL_ARRIVALS), mbar_init(bars.full_v(i), FULL_ARRIVALS);
+            mbar_init(bars.empty_k(i), WG_WARPS), mbar_init(bars.empty_v(i), WG_WARPS);
+          }
+          asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        }
+        __syncthreads();
+        uint32_t ticket = 0;
+        if (threadIdx.x >= CONSUMER_THREADS) {
+          regs_down<PRODUCER_REGS>();
+          const int role = threadIdx.x / 32 - PRODUCER_WARP;  // 0: K, 1: V (cp.async: 2 and 3 too), else idle
+          if (role < 2 * PRODUCER_PARTS) {
+            const bool v = PRODUCER_PARTS == 1 ? role == 1 : role % 2 == 1;
+            const int part = role / 2;
+            for_each_run_here([&](int64_t u, int64_t u1, int sp) {
+              produce_run_wg(p, v ? tmv : tmk, v ? p.v_cache : p.k_cache, stages + (v ? KV_TILE_BYTES : 0), v ? bars.full_v(0) : bars.full_k(0),
+                             v ? bars.empty_v(0) : bars.empty_k(0), u, u1, kv_head(p), ticket, sp, part);
+            });
+          }
+          return;
+        }
+        regs_up<CONSUMER_REGS>();
+        const int wg = threadIdx.x / THREADS;
+        if (wg == 1) named_arrive(TURN_BAR, 2 * THREADS);  // warpgroup 0 takes the first turn
+        RunTail tail;  // PREFILL_OVERLAP: as in the persistent blocks
+        tail.pending = false;
+        for_each_run_here([&](int64_t u, int64_t u1, int sp) {
+          prefill_run_wg(p, stages, qtiles, bars, u, u1, kv_head(p), ticket, sp, tail);
+        });
+        flush_tail(p, stages, bars, tail);  // before the fused merge reads the tile's rows
+        if (wg == 0) named_sync(TURN_BAR, 2 * THREADS);  // warpgroup 1's last turn: every arrival is matched
+      } else {
+        __syncthreads();
+        for_each_run_here([&](int64_t u, int64_t u1, int sp) { prefill_run(p, smem, u, u1, sp); });
+      }
+      // fused split-KV merge once the tile's runs are stored
+      if (FUSED_MERGE) merge_prefill_tile(p, tb, te, seq_smem, kv_head(p), block_coord(p).z);
+    }
+  }  // !DECODE_ONLY
+}
+
+// A K or V cache as a 3-D tensor (d, kv head, slot = page * P + offset) for the bulk tensor copy
+// engine: boxes of 64 d x 1 head x PB slots, 128-byte swizzle; out-of-bounds rows read as zeros, and so do
+// the columns past D of a padded row's last half (D 80, 96: attention.wgmma_width).
+static int encode_kv_map(CUtensorMap* map, const void* cache, int64_t num_pages) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (!encode) {
+    cudaDriverEntryPointQueryResult found;
+    void* fn = nullptr;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                             cudaEnableDefault, &found);
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || !fn) return (int)cudaErrorSymbolNotFound;
+    encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+  }
+  if (num_pages * P > 0x7fffffffLL) return (int)cudaErrorInvalidValue;  // box coordinates are int32
+  const cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)HKV, (cuuint64_t)(num_pages * P)};
+  const cuuint64_t strides[2] = {(cuuint64_t)D * 2, (cuuint64_t)HKV * D * 2};  // bytes, dims 1 and 2
+  const cuuint32_t box[3] = {64, 1, (cuuint32_t)PB};
+  const cuuint32_t unit[3] = {1, 1, 1};
+  const CUresult res = encode(map, IS_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+                              const_cast<void*>(cache), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? 0 : (int)cudaErrorInvalidValue;
+}
 };
 }  // namespace ua
 #endif
