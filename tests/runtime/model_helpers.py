@@ -39,6 +39,14 @@ def make_hf_model(arch: str, seed: int = 0, **overrides):
     return model
 
 
+def saved_hf_model(tmp_path_factory, name: str, arch: str, seed: int, **overrides):
+    """make_hf_model saved in a fresh temporary folder named after name: (model, path)."""
+    model = make_hf_model(arch, seed=seed, **overrides)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    return model, path
+
+
 def hf_logits(model, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].double().numpy()
@@ -74,6 +82,16 @@ def runtime_logits(executor, prompts: list[list[int]], chunks: list[list[int]], 
             seqs[i].num_computed_tokens += n
             out[i][seqs[i].num_computed_tokens - 1] = row.double().cpu().numpy()
     return out
+
+
+def assert_logits_match(model, prompts: list[list[int]], got: list[dict[int, np.ndarray]], rel_tol: float,
+                        label: str = "") -> None:
+    """Each row of runtime_logits' answer within rel_tol of the largest |logit| of transformers' at that position."""
+    for ids, per_pos in zip(prompts, got):
+        want = hf_logits(model, ids)
+        for pos, row in per_pos.items():
+            np.testing.assert_allclose(row, want[pos], atol=rel_tol * np.abs(want[pos]).max(), rtol=0,
+                                       err_msg=f"{label}: position {pos}")
 
 
 def gguf_writer(path, arch: str, cfg):

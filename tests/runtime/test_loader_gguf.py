@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from model_helpers import gguf_writer, hf_greedy, hf_logits, make_hf_model, runtime_logits  # noqa: E402
+from model_helpers import assert_logits_match, gguf_writer, hf_greedy, make_hf_model, runtime_logits  # noqa: E402
 
 from uacompile.runtime import LLM, SamplingParams  # noqa: E402
 from uacompile.runtime.loader import load  # noqa: E402
@@ -213,11 +213,7 @@ def test_gguf_logits_match_transformers(written, rng):
     vocab = model.config.vocab_size
     prompts = [rng.integers(3, vocab, size=n).tolist() for n in (13, 6)]
     got = runtime_logits(llm.engine.executor, prompts, [[5, 4, 1, 1, 1, 1], [1, 1, 4]], rng)
-    for ids, per_pos in zip(prompts, got):
-        want = hf_logits(model, ids)
-        for pos, row in per_pos.items():
-            np.testing.assert_allclose(row, want[pos], atol=2e-4 * np.abs(want[pos]).max(), rtol=0,
-                                       err_msg=f"{case}: position {pos}")
+    assert_logits_match(model, prompts, got, 2e-4, case)
     if case == "qwen2":  # a text prompt through the GGUF's BPE tokenizer, greedy as transformers
         out = llm.generate("Hello world, the quick fox", SamplingParams(temperature=0, max_tokens=6,
                                                                          ignore_eos=True))[0]

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tvm")
 
-from model_helpers import hf_logits, make_hf_model, runtime_logits  # noqa: E402
+from model_helpers import hf_logits, make_hf_model, runtime_logits, saved_hf_model  # noqa: E402
 
 from uacompile import ir  # noqa: E402
 from uacompile.runtime import LLM  # noqa: E402
@@ -47,10 +47,7 @@ class TVMLayerOps(KernelLayerOps):
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     arch, overrides = CASES[request.param]
-    model = make_hf_model(arch, seed=len(request.param), **overrides)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return request.param, model, path
+    return (request.param, *saved_hf_model(tmp_path_factory, request.param, arch, len(request.param), **overrides))
 
 
 def test_fuse_merges_projections_with_biases(tmp_path):

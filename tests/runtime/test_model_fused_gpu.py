@@ -1,16 +1,14 @@
 """The runtime on the GPU with its fused layers: merged projections and the CUDA layer kernels (ir.RMSNorm with
 the residual add, SiluAndMul, Rope) through model.use_kernels(the cuda backend), against transformers in
 float32 on the CPU; greedy generation under swap preemption and prefix-cache hits."""
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from model_helpers import hf_logits, make_hf_model, runtime_logits  # noqa: E402
+from model_helpers import assert_logits_match, runtime_logits, saved_hf_model  # noqa: E402
 
 from uacompile.runtime import LLM, SamplingParams  # noqa: E402
-from uacompile.runtime.kernels import TorchLayerOps  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 TOL = {"float16": 2e-2, "bfloat16": 6e-2}  # of the largest |logit|
@@ -20,20 +18,13 @@ TOL = {"float16": 2e-2, "bfloat16": 6e-2}  # of the largest |logit|
 def checkpoints(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    out = {}
-    for arch, kw in (("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 6})):
-        model = make_hf_model(arch, seed=13, **kw)
-        path = tmp_path_factory.mktemp(arch)
-        model.save_pretrained(path)
-        out[arch] = (model, path)
-    return out
+    return {arch: saved_hf_model(tmp_path_factory, arch, arch, 13, **kw)
+            for arch, kw in (("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 6}))}
 
 
 def fused_llm(path, **kw) -> LLM:
     llm = LLM(str(path), device="cuda", page_size=16, **kw)
     engine = llm.engine
-    if type(engine.model.layer_backend) is TorchLayerOps:  # an engine that does not hand the model its backend yet
-        engine.model.use_kernels(engine.kernels)
     assert engine.model.layer_backend is engine.kernels and engine.kernels.name == "cuda"
     return llm
 
@@ -48,11 +39,7 @@ def test_fused_cuda_logits_match_transformers(checkpoints, arch, dtype, rng):
     got = runtime_logits(llm.engine.executor, prompts, chunks, rng)
     kinds = {op.kind for op in llm.engine.kernels.layer_kernels}
     assert kinds == {"rms_norm", "silu_and_mul", "rope"}, kinds  # the layers ran on the CUDA kernels
-    for ids, per_pos in zip(prompts, got):
-        want = hf_logits(model, ids)
-        for pos, row in per_pos.items():
-            scale = np.abs(want[pos]).max()
-            assert np.abs(row - want[pos]).max() < TOL[dtype] * scale, (arch, dtype, pos)
+    assert_logits_match(model, prompts, got, TOL[dtype], f"{arch} {dtype}")
 
 
 def test_fused_cuda_generation_survives_swap_and_prefix_cache(checkpoints, rng):

@@ -8,7 +8,7 @@ import torch
 import gguf
 import transformers  # noqa: F401
 
-from model_helpers import gguf_writer, hf_greedy, hf_logits, make_hf_model, runtime_logits  # noqa: E402
+from model_helpers import assert_logits_match, gguf_writer, hf_greedy, hf_logits, make_hf_model, runtime_logits  # noqa: E402
 
 from uacompile.runtime import LLM, SamplingParams  # noqa: E402
 from uacompile.models import STORIES260K  # noqa: E402
@@ -176,10 +176,7 @@ def test_gguf_logits_match_transformers(written, rng):
     assert llm.engine.model.cfg.tie_word_embeddings is False
     prompts = [rng.integers(3, 512, size=n).tolist() for n in (11, 5)]
     got = runtime_logits(llm.engine.executor, prompts, [[4, 4, 1, 1, 1], [1, 1, 3]], rng)
-    for ids, per_pos in zip(prompts, got):
-        want = hf_logits(ref, ids)
-        for pos, row in per_pos.items():
-            np.testing.assert_allclose(row, want[pos], atol=2e-4 * np.abs(want[pos]).max(), rtol=0)
+    assert_logits_match(ref, prompts, got, 2e-4, "gguf")
 
 
 def test_gguf_tied_embeddings_and_tokenizer(tmp_path, vocab_meta):

@@ -1,13 +1,12 @@
 """The runtime on the GPU: generated CUDA kernels (uacompile.targets.cuda) under the Llama executor.
 Tiny random HF models (head_dim 16: the CUDA attention template needs a multiple of 16) in
 fp16 / bf16 against transformers in float32 on the CPU."""
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from model_helpers import hf_logits, make_hf_model, runtime_logits  # noqa: E402
+from model_helpers import assert_logits_match, runtime_logits, saved_hf_model  # noqa: E402
 
 from uacompile.runtime import LLM, SamplingParams  # noqa: E402
 
@@ -19,13 +18,8 @@ TOL = {"float16": 2e-2, "bfloat16": 6e-2}  # of the largest |logit|
 def checkpoints(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    out = {}
-    for arch, kw in (("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 6})):
-        model = make_hf_model(arch, seed=11, **kw)
-        path = tmp_path_factory.mktemp(arch)
-        model.save_pretrained(path)
-        out[arch] = (model, path)
-    return out
+    return {arch: saved_hf_model(tmp_path_factory, arch, arch, 11, **kw)
+            for arch, kw in (("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 6}))}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -37,11 +31,7 @@ def test_cuda_logits_match_transformers(checkpoints, arch, dtype, rng):
     prompts = [rng.integers(3, 512, size=n).tolist() for n in (37, 20, 9)]
     chunks = [[16, 8, 1, 1, 1, 10], [1] * 20, [9]]
     got = runtime_logits(llm.engine.executor, prompts, chunks, rng)
-    for ids, per_pos in zip(prompts, got):
-        want = hf_logits(model, ids)
-        for pos, row in per_pos.items():
-            scale = np.abs(want[pos]).max()
-            assert np.abs(row - want[pos]).max() < TOL[dtype] * scale, (arch, dtype, pos)
+    assert_logits_match(model, prompts, got, TOL[dtype], f"{arch} {dtype}")
 
 
 def test_cuda_generation_survives_swap_and_prefix_cache(checkpoints, rng):

@@ -3,12 +3,11 @@ logits, through the paged cache and one attention launch per layer for a mixed b
 transformers' logits; greedy generation matches transformers token for token."""
 import json
 
-import numpy as np
 import pytest
 
 import transformers  # noqa: F401
 
-from model_helpers import hf_greedy, hf_logits, make_hf_model, runtime_logits  # noqa: E402
+from model_helpers import assert_logits_match, hf_greedy, make_hf_model, runtime_logits, saved_hf_model  # noqa: E402
 
 from uacompile.runtime import LLM, SamplingParams  # noqa: E402
 
@@ -27,10 +26,7 @@ CASES = {
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     arch, overrides = CASES[request.param]
-    model = make_hf_model(arch, seed=len(request.param), **overrides)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return request.param, model, path
+    return (request.param, *saved_hf_model(tmp_path_factory, request.param, arch, len(request.param), **overrides))
 
 
 def test_logits_match_transformers(case, rng):
@@ -39,12 +35,7 @@ def test_logits_match_transformers(case, rng):
     prompts = [rng.integers(3, 512, size=n).tolist() for n in (13, 9, 6)]
     # one sequence prefills in chunks, one decodes token by token, one prefills at once: mixed batches
     chunks = [[5, 4, 1, 1, 1, 1], [1] * 9, [6]]
-    got = runtime_logits(llm.engine.executor, prompts, chunks, rng)
-    for ids, per_pos in zip(prompts, got):
-        want = hf_logits(model, ids)
-        for pos, row in per_pos.items():
-            np.testing.assert_allclose(row, want[pos], atol=2e-4 * np.abs(want[pos]).max(), rtol=0,
-                                       err_msg=f"{name}: position {pos}")
+    assert_logits_match(model, prompts, runtime_logits(llm.engine.executor, prompts, chunks, rng), 2e-4, name)
 
 
 def test_greedy_generation_matches_transformers(case, rng):
