@@ -1,6 +1,7 @@
-"""The runtime on the GPU: generated CUDA kernels (uacompile.targets.cuda) under the Llama executor.
-Tiny random HF models (head_dim 16: the CUDA attention template needs a multiple of 16) in
-fp16 / bf16 against transformers in float32 on the CPU."""
+"""The runtime on the GPU: generated CUDA kernels (uacompile.targets.cuda) under the Llama executor, its layers
+(ir.RMSNorm with the residual add, SiluAndMul, Rope) on the CUDA backend's kernels. Tiny random HF models
+(head_dim 16: the CUDA attention template needs a multiple of 16) in fp16 / bf16 against transformers in
+float32 on the CPU."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -19,25 +20,29 @@ def checkpoints(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     return {arch: saved_hf_model(tmp_path_factory, arch, arch, 11, **kw)
-            for arch, kw in (("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 6}))}
+            for arch, kw in (("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 6}))}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_cuda_logits_match_transformers(checkpoints, arch, dtype, rng):
     model, path = checkpoints[arch]
     llm = LLM(str(path), device="cuda", dtype=dtype, page_size=16, num_pages=64)
-    assert llm.engine.kernels.name == "cuda"
+    engine = llm.engine
+    assert engine.model.layer_backend is engine.kernels and engine.kernels.name == "cuda"
     prompts = [rng.integers(3, 512, size=n).tolist() for n in (37, 20, 9)]
     chunks = [[16, 8, 1, 1, 1, 10], [1] * 20, [9]]
-    got = runtime_logits(llm.engine.executor, prompts, chunks, rng)
+    got = runtime_logits(engine.executor, prompts, chunks, rng)
+    kinds = {op.kind for op in engine.kernels.layer_kernels}
+    assert kinds == {"rms_norm", "silu_and_mul", "rope"}, kinds  # the layers ran on the CUDA kernels
     assert_logits_match(model, prompts, got, TOL[dtype], f"{arch} {dtype}")
 
 
-def test_cuda_generation_survives_swap_and_prefix_cache(checkpoints, rng):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cuda_generation_survives_swap_and_prefix_cache(checkpoints, arch, rng):
     """Swap preemption through the pinned CPU pool, and prefix-cache hits, give the greedy tokens
-    of a run with room to spare."""
-    model, path = checkpoints["llama"]
+    of a run with room to spare (the layer kernels' in-place residual stream carries no state between steps)."""
+    _, path = checkpoints[arch]
     shared = rng.integers(3, 512, size=40).tolist()
     prompts = [shared + rng.integers(3, 512, size=n).tolist() for n in (3, 9, 17, 5)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -45,6 +50,7 @@ def test_cuda_generation_survives_swap_and_prefix_cache(checkpoints, rng):
     want = [o.outputs[0].token_ids for o in free.generate(prompts, params)]
     tight = LLM(str(path), device="cuda", page_size=16, num_pages=12, num_cpu_pages=64, preemption="swap",
                 max_model_len=96)
+    assert tight.engine.model.layer_backend is tight.engine.kernels
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
     assert tight.engine.scheduler.num_preemptions > 0
     assert got == want
