@@ -264,7 +264,22 @@ class CUDASpace:
         return bench
 
 
-class CUDAAttentionBench:
+class CUDAEventTimed:
+    """sample(): the next calls of self.call over the rotated self.inputs, timed with CUDA events (seconds a call)."""
+
+    def sample(self, calls: int = 1) -> float:
+        torch = self.torch
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            self.call(self.inputs[self.i % len(self.inputs)])
+            self.i += 1
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3 / calls
+
+
+class CUDAAttentionBench(CUDAEventTimed):
     """A planned CUDA attention launch at a shape, timed with CUDA events. Its inputs are rotated through enough
     copies that their KV exceeds L2 twice over, so no sample reads a cache left warm by the one before."""
 
@@ -320,19 +335,8 @@ class CUDAAttentionBench:
         if not err <= tol:
             raise AssertionError(f"max |out - reference| = {err:.3g} > {tol:g}")
 
-    def sample(self, calls: int = 1) -> float:
-        torch = self.torch
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            self.call(self.inputs[self.i % len(self.inputs)])
-            self.i += 1
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3 / calls
 
-
-class CUDAReshapeBench:
+class CUDAReshapeBench(CUDAEventTimed):
     """reshape_and_cache on CUDA, bit-exact against the reference, timed with CUDA events."""
 
     def __init__(self, fn, op, shape: Shape, seed: int = 0):
@@ -350,12 +354,15 @@ class CUDAReshapeBench:
     def _inputs(self, shape: Shape, arrays=None) -> dict:
         return to_device(arrays or self._arrays(shape), "cuda")
 
+    def call(self, inp: dict) -> None:
+        self.fn(**inp)
+
     def check(self) -> None:
         arrays = self._arrays(check_shape(self.shape))
         ref = {k: v.copy() for k, v in arrays.items()}
         reference.run(self.op, **ref)
         inp = self._inputs(self.shape, arrays)
-        self.fn(**inp)
+        self.call(inp)
         self.torch.cuda.synchronize()
         for k in ("k_cache", "v_cache", "k_scale", "v_scale"):
             if k in inp:
@@ -365,17 +372,6 @@ class CUDAReshapeBench:
                 want = ref[k].view(got.dtype)
                 if not np.array_equal(got, want):
                     raise AssertionError(f"{k} differs from the reference")
-
-    def sample(self, calls: int = 1) -> float:
-        torch = self.torch
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            self.fn(**self.inputs[self.i % len(self.inputs)])
-            self.i += 1
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3 / calls
 
 
 # ------------------------------------------------------------------ CUDA (TVM lowering)
