@@ -21,8 +21,8 @@ from .executor import Executor
 from .kernels import KernelOps, make_backend
 from .loader import LoadedModel, load
 from .model import LlamaForCausalLM
-from .sampling import Sampler, TokenLogprob
-from .scheduler import Scheduler, SchedulerConfig
+from .sampling import PendingSample, Sampler, TokenLogprob
+from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
 from .trace import NullTracer, TracedKernels
 
@@ -78,6 +78,22 @@ class Request:
 
 
 @dataclass
+class InFlight:
+    """A launched step whose sampled ids are on their way back: sample j of pending goes to
+    seqs[j].token_ids[positions[j]] (where the scheduler put its code -1 - j)."""
+
+    batch: ScheduledBatch
+    pending: PendingSample
+    seqs: list[Sequence] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+
+    @property
+    def needs_history(self) -> bool:
+        """A sequence of it uses penalties: the next step's sampler reads its tokens on the host."""
+        return any(s.params.has_penalties for s in self.pending.seqs)
+
+
+@dataclass
 class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None          # default: float32 on the CPU, the checkpoint's 16-bit type on CUDA
@@ -91,6 +107,7 @@ class EngineConfig:
     attention_variant: str = "ua"     # ua | unified_masked (llama.cpp's unified KV buffer, a measured baseline)
     kernel_dir: str | None = None     # tvm-cuda: a `uacompile build --target cuda` folder of prebuilt kernels (no TVM here)
     log_stats_interval: float = 10.0  # seconds between throughput lines at INFO (0 = none)
+    async_scheduling: bool | None = None  # schedule step n + 1 while step n runs (default: on CUDA)
 
     def __post_init__(self):
         def is_int(v):
@@ -114,6 +131,8 @@ class EngineConfig:
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
                 or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
         for name in ("cuda_graphs", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -178,6 +197,8 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._seq_request: dict[int, tuple[Request, int]] = {}  # seq_id -> (request, sample index)
         self._ids = itertools.count()
+        self.async_scheduling = ec.device == "cuda" if ec.async_scheduling is None else ec.async_scheduling
+        self._inflight: InFlight | None = None
 
     # ---- construction ---------------------------------------------------------------------------
     @staticmethod
@@ -289,6 +310,8 @@ class Engine:
         for seq in req.seqs if req else []:
             if not seq.is_finished:
                 self.scheduler.abort(seq.seq_id)
+                if seq.num_output_tokens and seq.token_ids[-1] < 0:  # its in-flight sample is dropped
+                    seq.token_ids.pop()
                 self._finalize(seq)
         if req is not None:
             self.tracer.instant("abort", "request", request_id=request_id)
@@ -300,7 +323,7 @@ class Engine:
             self._seq_request.pop(seq.seq_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -308,26 +331,61 @@ class Engine:
         return self.run_step().finished
 
     def run_step(self) -> StepOutput:
-        """One scheduler step; returns each sample's new tokens and the requests that finished."""
+        """One scheduler step; returns each sample's new tokens and the requests that finished (with async
+        scheduling, those of the step launched by the previous call)."""
         tr = self.tracer
         with tr.span("step", "scheduler"):
+            prev, self._inflight = self._inflight, None
+            out = StepOutput()
+            if prev is not None and prev.needs_history:
+                out, prev = self._commit(prev), None
             with tr.span("schedule", "scheduler"):
                 preemptions = self.scheduler.num_preemptions
                 batch = self.scheduler.schedule()
-            if batch.is_empty:
+            if batch.is_empty and prev is None:
                 if self.scheduler.has_unfinished():
                     raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
-                return StepOutput()
+                return out
             if tr.enabled:
                 self._trace_kv(batch, self.scheduler.num_preemptions - preemptions)
-            with tr.span("execute", "scheduler", seqs=len(batch.seqs), tokens=batch.num_tokens):
-                seqs, logits = self.executor.execute(batch)
-            with tr.span("sample", "scheduler", seqs=len(seqs)):
-                sampled = self.sampler.sample(seqs, logits)
-            with tr.span("update", "scheduler"):
-                self.scheduler.update(batch, sampled.tokens)
-                self._log_stats(batch, len(sampled.tokens))
-                return self._collect(seqs, sampled)
+            launched = None
+            if not batch.is_empty:
+                with tr.span("execute", "scheduler", seqs=len(batch.seqs), tokens=batch.num_tokens):
+                    seqs, logits = self.executor.execute(batch, prev.pending.tokens if prev else None)
+                with tr.span("sample", "scheduler", seqs=len(seqs)):
+                    launched = InFlight(batch, self.sampler.launch(seqs, logits))
+            if prev is not None:
+                out = self._commit(prev)
+            if launched is not None:
+                with tr.span("update", "scheduler"):
+                    self._advance(launched)
+                if self.async_scheduling:
+                    self._inflight = launched
+                else:
+                    out = self._commit(launched)
+            return out
+
+    def _advance(self, f: InFlight) -> None:
+        """Count the launched step in the scheduler, its samples coded -1 - j until they arrive."""
+        seqs = f.pending.seqs
+        codes = {s.seq_id: -1 - j for j, s in enumerate(seqs)}
+        self.scheduler.update(f.batch, codes)
+        for s in seqs:  # those the update appended to (not those that finished while it ran)
+            if s.num_output_tokens and s.token_ids[-1] == codes[s.seq_id]:
+                f.seqs.append(s)
+                f.positions.append(s.num_tokens - 1)
+        self._log_stats(f.batch, len(seqs))
+
+    def _commit(self, f: InFlight) -> StepOutput:
+        """Wait for a launched step's ids, write them into its sequences, apply the stop checks."""
+        with self.tracer.span("wait", "scheduler"):
+            sampled = f.pending.result()
+        seqs = []
+        for seq, pos in zip(f.seqs, f.positions):
+            if pos < seq.num_tokens and seq.token_ids[pos] < 0:  # not aborted since
+                seq.token_ids[pos] = sampled.tokens[seq.seq_id]
+                seqs.append(seq)
+        return self._collect(seqs, sampled)
 
     def _collect(self, seqs: list[Sequence], sampled) -> StepOutput:
         out = StepOutput()
@@ -383,8 +441,8 @@ class Engine:
 
     def output(self, request_id: int) -> RequestOutput:
         req = self.requests[request_id]
-        outs = [CompletionOutput(i, req.texts.get(s.seq_id, ""), list(s.output_token_ids), s.finish_reason)
-                for i, s in enumerate(req.seqs)]
+        outs = [CompletionOutput(i, req.texts.get(s.seq_id, ""), [t for t in s.output_token_ids if t >= 0],
+                                 s.finish_reason) for i, s in enumerate(req.seqs)]  # (< 0: on its way from the GPU)
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
                              all(s.is_finished for s in req.seqs))
 

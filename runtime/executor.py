@@ -4,12 +4,15 @@ kv [num_layers, 2, num_pages, P, Hkv, D] (CopyBlocks/SwapBlocks layout), and the
 CPU tensor of the same layout (pinned on CUDA).
 
 A step's inputs are built on the host into reused (pinned on CUDA) buffers and copied to the device
-without blocking. Attention is planned once a step and run every layer. On CUDA, decode steps (one new token
+without blocking; nothing here waits for the GPU, so the engine can build step n + 1 while step n runs. Token
+ids that step n is still sampling are coded -1 - j in the sequences and read from its ids on the device
+(step.fill_pending). Attention is planned once a step and run every layer. On CUDA, decode steps (one new token
 a sequence) replay a CUDA graph captured at start-up for their batch-size bucket and page-table width
 (graphs.py); prefill and mixed steps run eagerly.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .graphs import DecodeGraphs
@@ -17,7 +20,7 @@ from .kernels import KernelBackend
 from .model import LlamaForCausalLM
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-from .step import Staging, StepInputs, device_step, host_step
+from .step import Staging, StepInputs, device_step, fill_pending, host_step
 
 
 class Executor:
@@ -37,17 +40,17 @@ class Executor:
         self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
         return self.graphs.capture(progress)
 
-    def _mapping(self, pairs) -> torch.Tensor:
-        return torch.tensor(pairs, dtype=torch.int64, device=self.device).reshape(-1, 2)
+    def _mapping(self, name: str, pairs) -> torch.Tensor:
+        return self.staging.to_device(name, np.asarray(pairs, dtype=np.int64).reshape(-1, 2))
 
     def run_cache_ops(self, batch: ScheduledBatch) -> None:
         """Order matters: swap-out frees pages that swap-in and copy-on-write may reuse."""
         if batch.swap_out:
-            self.kernels.swap_blocks(src=self.kv, dst=self.cpu_kv, mapping=self._mapping(batch.swap_out))
+            self.kernels.swap_blocks(src=self.kv, dst=self.cpu_kv, mapping=self._mapping("swap_out", batch.swap_out))
         if batch.swap_in:
-            self.kernels.swap_blocks(src=self.cpu_kv, dst=self.kv, mapping=self._mapping(batch.swap_in))
+            self.kernels.swap_blocks(src=self.cpu_kv, dst=self.kv, mapping=self._mapping("swap_in", batch.swap_in))
         if batch.copies:
-            self.kernels.copy_blocks(kv=self.kv, mapping=self._mapping(batch.copies))
+            self.kernels.copy_blocks(kv=self.kv, mapping=self._mapping("copies", batch.copies))
 
     def forward(self, step: StepInputs, plan) -> torch.Tensor:
         """The model over a step's tokens: hidden [T, E]."""
@@ -63,15 +66,24 @@ class Executor:
         return self.model(step.input_ids, step.positions, attention)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Returns (sequences that sample, their next-token logits [N, V] float32, on the device)."""
+    def execute(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> tuple[list[Sequence], torch.Tensor]:
+        """Returns (sequences that sample, their next-token logits [N, V] float32, on the device). pending: the
+        in-flight step's sampled ids on the device, where the batch's token ids code some of them (-1 - j)."""
+        self.staging.flip()
         self.run_cache_ops(batch)
         if not batch.seqs:
             return [], torch.empty(0, self.model.cfg.vocab_size, device=self.device)
         hs = host_step(batch, self.page_size)
+        if hs.input_ids.min() < 0:
+            if pending is None:
+                raise ValueError("batch: token ids still being sampled (coded < 0) but no in-flight step's ids given")
+        else:
+            pending = None
         if hs.decode and self.graphs is not None and self.graphs.fits(hs):
-            return hs.sample_seqs, self.graphs.replay(hs)
+            return hs.sample_seqs, self.graphs.replay(hs, pending)
         step = device_step(hs, self.staging)
+        if pending is not None:
+            fill_pending(step.input_ids, pending)
         plan = self.kernels.plan_step(len(hs.input_ids), len(hs.page_table), hs.page_table.shape[1] * self.page_size)
         hidden = self.forward(step, plan)
         return step.sample_seqs, self.model.logits(hidden[step.sample_rows])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .step import StepInputs
+from .step import StepInputs, fill_pending
 
 log = logging.getLogger("uacompile.runtime")
 
@@ -30,6 +30,18 @@ def buckets(limit: int, start: int = 1) -> list[int]:
         out.append(b)
         b *= 2
     return out + [limit]
+
+
+class _Mirror:
+    """Pinned host copies of the static inputs (DecodeGraphs.mirrors)."""
+
+    def __init__(self, B: int, widths: list[int]):
+        pin = dict(pin_memory=True)
+        self.ids = torch.zeros(B, dtype=torch.int64, **pin)
+        self.pos = torch.zeros(B, dtype=torch.int64, **pin)
+        self.len = torch.ones(B, dtype=torch.int32, **pin)
+        self.slot = torch.full((B,), -1, dtype=torch.int64, **pin)
+        self.tables = {w: torch.zeros((B, w), dtype=torch.int32, **pin) for w in widths}
 
 
 @dataclass
@@ -54,13 +66,9 @@ class DecodeGraphs:
         self.token_kv_len = torch.ones(B, dtype=torch.int32, device=dev)
         self.slot_mapping = torch.full((B,), -1, dtype=torch.int64, device=dev)
         self.tables = {w: torch.zeros((B, w), dtype=torch.int32, device=dev) for w in self.widths}
-        # their pinned host mirrors, one copy each a step
-        pin = dict(pin_memory=True)
-        self.h_ids = torch.zeros(B, dtype=torch.int64, **pin)
-        self.h_pos = torch.zeros(B, dtype=torch.int64, **pin)
-        self.h_len = torch.ones(B, dtype=torch.int32, **pin)
-        self.h_slot = torch.full((B,), -1, dtype=torch.int64, **pin)
-        self.h_tables = {w: torch.zeros((B, w), dtype=torch.int32, **pin) for w in self.widths}
+        # their pinned host mirrors, one copy each a step; two sets, one a step (step n + 2 writes the set whose
+        # copies step n made and finished; step n + 1's may still be queued)
+        self.mirrors = (_Mirror(B, self.widths), _Mirror(B, self.widths))
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = None
         self.replays = 0  # decode steps served from a graph
@@ -107,24 +115,28 @@ class DecodeGraphs:
                  len(self.graphs), self.sizes, self.widths, seconds)
         return seconds
 
-    def replay(self, hs) -> torch.Tensor:
-        """Logits [n, V] of a decode step (n sequences, one token each) from its bucket's graph."""
+    def replay(self, hs, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n, V] of a decode step (n sequences, one token each) from its bucket's graph; pending: the
+        in-flight step's sampled ids where hs.input_ids codes them (-1 - j, step.fill_pending)."""
         n, pages = len(hs.input_ids), hs.page_table.shape[1]
         bs, w = self._bucket(n, pages)
         g = self.graphs[(bs, w)]
-        ids, pos, ln, slot = (t.numpy() for t in (self.h_ids, self.h_pos, self.h_len, self.h_slot))
+        m = self.mirrors[self.replays % 2]
+        ids, pos, ln, slot = (t.numpy() for t in (m.ids, m.pos, m.len, m.slot))
         ids[:n], pos[:n], slot[:n] = hs.input_ids, hs.positions, hs.slot_mapping
         ln[:n] = hs.positions + 1
         ids[n:bs], pos[n:bs], slot[n:bs], ln[n:bs] = 0, 0, -1, 1  # padding rows
-        table = self.h_tables[w].numpy()
+        table = m.tables[w].numpy()
         table[:n, :pages] = hs.page_table
         table[:n, pages:] = -1
         table[n:bs] = 0
-        self.input_ids[:bs].copy_(self.h_ids[:bs], non_blocking=True)
-        self.positions[:bs].copy_(self.h_pos[:bs], non_blocking=True)
-        self.token_kv_len[:bs].copy_(self.h_len[:bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(self.h_slot[:bs], non_blocking=True)
-        self.tables[w][:bs].copy_(self.h_tables[w][:bs], non_blocking=True)
+        self.input_ids[:bs].copy_(m.ids[:bs], non_blocking=True)
+        self.positions[:bs].copy_(m.pos[:bs], non_blocking=True)
+        self.token_kv_len[:bs].copy_(m.len[:bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(m.slot[:bs], non_blocking=True)
+        self.tables[w][:bs].copy_(m.tables[w][:bs], non_blocking=True)
+        if pending is not None:
+            fill_pending(self.input_ids[:n], pending)
         g.graph.replay()
         self.replays += 1
         return g.logits[:n]

@@ -15,7 +15,7 @@ class LLM:
 
     Engine options: device ("cpu" | "cuda"), dtype, kernel_backend ("auto" | "tvm-cpu" | "cuda" | "tvm-cuda" |
     "reference"), kernel_dir (prebuilt TVM-CUDA kernels: a `uacompile build --target cuda` folder),
-    kv_cache_bytes, seed, cpu_threads, log_stats_interval, gpu_memory_utilization, cuda_graphs, progress,
+    kv_cache_bytes, seed, cpu_threads, log_stats_interval, gpu_memory_utilization, cuda_graphs, async_scheduling, progress,
     attention_variant. Everything else goes to SchedulerConfig (page_size,
     num_pages, num_cpu_pages, max_num_seqs, max_num_batched_tokens, max_prefill_chunk, policy,
     preemption, enable_prefix_caching, max_model_len).

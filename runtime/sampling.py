@@ -1,6 +1,10 @@
 """Token sampling as batched torch ops on the logits' device; only the sampled ids (and any requested
 log-probabilities) are copied back.
 
+launch() queues the sampling ops on the logits' stream and the copy of their results to pinned host memory, with
+no host synchronisation (every index and parameter goes up through pinned memory); the PendingSample it returns
+waits for them in result(). sample() is both in one call.
+
 Order per row: logit_bias, penalties (repetition over prompt + output, presence and frequency over
 output), then greedy rows take the argmax; the others are divided by their temperature, softmaxed,
 filtered by top-k, top-p and min-p, and sampled by the exponential race argmax(p / q),
@@ -51,8 +55,14 @@ class SamplerOutput:
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # seq_id -> (for requests asking)
 
 
+def to_device(values, device, dtype=torch.int64) -> torch.Tensor:
+    """values on device without a host synchronisation (through pinned memory on CUDA)."""
+    t = torch.tensor(values, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+    return t.to(device, non_blocking=True)
+
+
 def _column(values, device, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+    return to_device(values, device, dtype).unsqueeze(1)
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -63,8 +73,8 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     if not rows:
         return logits
     dev = logits.device
-    return logits.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                            torch.tensor(vals, device=dev), accumulate=True)
+    return logits.index_put((to_device(rows, dev), to_device(cols, dev)), to_device(vals, dev, torch.float32),
+                            accumulate=True)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
@@ -74,7 +84,9 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Ten
     for i, t in enumerate(token_lists):
         ids[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
     counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    if torch.device(device).type == "cuda":
+        ids = ids.pin_memory()
+    counts.scatter_add_(1, ids.to(device, non_blocking=True), torch.ones(ids.shape, device=device))
     return counts[:, :vocab]
 
 
@@ -85,8 +97,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         return logits
     dev, V = logits.device, logits.shape[1]
     out_counts = _token_counts([s.output_token_ids if s.params.has_penalties else [] for s in seqs], V, dev)
-    rep = _column([s.params.repetition_penalty for s in seqs], dev)
-    if bool((rep != 1).any()):
+    if any(s.params.repetition_penalty != 1 for s in seqs):
+        rep = _column([s.params.repetition_penalty for s in seqs], dev)
         seen = (_token_counts([s.prompt_token_ids if s.params.repetition_penalty != 1 else [] for s in seqs],
                               V, dev) + out_counts) > 0
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
@@ -119,6 +131,39 @@ def filter_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+@dataclass
+class PendingSample:
+    """A launched sampling step: its ids (and log-probabilities) on their way to pinned host memory."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor                 # [N] int64 on the logits' device (the next step may read it there)
+    host: dict[str, torch.Tensor]        # tokens / chosen / top_v / top_i: pinned host copies
+    want: list[int]                      # rows whose request asks for log-probabilities
+    event: "torch.cuda.Event | None"     # recorded after the copies (None on the CPU)
+
+    def result(self) -> SamplerOutput:
+        """Wait for the copies and return the sampled ids (and log-probabilities)."""
+        if self.event is not None:
+            self.event.synchronize()
+        ids = self.host["tokens"].tolist()
+        out = SamplerOutput({s.seq_id: t for s, t in zip(self.seqs, ids)})
+        if self.want:
+            chosen = self.host["chosen"].tolist()
+            top_v, top_i = self.host["top_v"].tolist(), self.host["top_i"].tolist()
+            for j, i in enumerate(self.want):
+                kk = self.seqs[i].params.logprobs
+                out.logprobs[self.seqs[i].seq_id] = TokenLogprob(ids[i], chosen[j],
+                                                                 list(zip(top_i[j][:kk], top_v[j][:kk])))
+        return out
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
 class Sampler:
     def __init__(self, seed: int | None = None):
         self._seeds = random.Random(seed)  # seeds for requests that bring none
@@ -138,30 +183,38 @@ class Sampler:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
         """logits [N, V] (row i for seqs[i]) -> the sampled token of every sequence, and log-probs of
         those whose request asks for them."""
+        return self.launch(seqs, logits).result()
+
+    def launch(self, seqs: list[Sequence], logits: torch.Tensor) -> PendingSample:
+        """Queue sample() on the logits' device; result() on what it returns waits for the ids. Reads the
+        sequences' tokens on the host only for penalties."""
+        dev = logits.device
         if not seqs:
-            return SamplerOutput()
+            return PendingSample([], torch.empty(0, dtype=torch.int64, device=dev),
+                                 {"tokens": torch.empty(0, dtype=torch.int64)}, [], None)
         raw = logits.float()
         x = apply_penalties(apply_logit_bias(raw, seqs), seqs)
         greedy = [s.params.greedy for s in seqs]
         tokens = torch.argmax(x, dim=-1)  # first index among ties
         if not all(greedy):
-            rows = [i for i, g in enumerate(greedy) if not g]
-            sub = [seqs[i] for i in rows]
+            rows = to_device([i for i, g in enumerate(greedy) if not g], dev)
+            sub = [s for s, g in zip(seqs, greedy) if not g]
             probs = filter_probs(x[rows], sub)
             q = torch.empty_like(probs)
             for j, seq in enumerate(sub):
-                q[j].exponential_(generator=self.generator(seq, probs.device))
-            drawn = torch.argmax(probs / q, dim=-1)
-            tokens[torch.tensor(rows, device=tokens.device)] = drawn
-        ids = tokens.tolist()
-        out = SamplerOutput({s.seq_id: t for s, t in zip(seqs, ids)})
+                q[j].exponential_(generator=self.generator(seq, dev))
+            tokens[rows] = torch.argmax(probs / q, dim=-1)
+        host = {"tokens": _to_host(tokens)}
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if want:
-            lp = torch.log_softmax(raw[want], dim=-1)
-            chosen = lp.gather(1, tokens[want].unsqueeze(1)).squeeze(1).tolist()
+            w = to_device(want, dev)
+            lp = torch.log_softmax(raw[w], dim=-1)
+            host["chosen"] = _to_host(lp.gather(1, tokens[w].unsqueeze(1)).squeeze(1))
             k = max(seqs[i].params.logprobs for i in want)
-            top_v, top_i = (t.tolist() for t in torch.topk(lp, k, dim=-1)) if k else ([[]] * len(want),) * 2
-            for j, i in enumerate(want):
-                kk = seqs[i].params.logprobs
-                out.logprobs[seqs[i].seq_id] = TokenLogprob(ids[i], chosen[j], list(zip(top_i[j][:kk], top_v[j][:kk])))
-        return out
+            top_v, top_i = torch.topk(lp, k, dim=-1)
+            host["top_v"], host["top_i"] = _to_host(top_v), _to_host(top_i)
+        event = None
+        if dev.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingSample(list(seqs), tokens, host, want, event)

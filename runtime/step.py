@@ -75,17 +75,23 @@ def host_step(batch: ScheduledBatch, page_size: int) -> HostStep:
 
 class Staging:
     """Host buffers a step's arrays pass through on their way to the device: pinned on CUDA (so the copies do
-    not block), grown on demand and reused every step. A buffer is written again only after the step that
-    copied from it has synchronised (its sampled ids came back)."""
+    not block), grown on demand and reused. Two sets, one a step (flip()): while the copies of step n + 1 may
+    still be queued behind step n, step n + 2 writes the other set, which step n used and finished with (the
+    engine has its sampled ids before it builds step n + 2)."""
 
     def __init__(self, device: str):
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._sets: tuple[dict, dict] = ({}, {})
+        self._buffers: dict[str, torch.Tensor] = self._sets[0]
+
+    def flip(self) -> None:
+        """The next step's set."""
+        self._buffers = self._sets[self._buffers is self._sets[0]]
 
     def to_device(self, name: str, a: np.ndarray) -> torch.Tensor:
         if not self.pin:
-            return torch.from_numpy(np.ascontiguousarray(a))
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
         buf = self._buffers.get(name)
         n = a.size
         if buf is None or buf.numel() < n or buf.dtype != _TORCH[a.dtype.str]:
@@ -96,6 +102,12 @@ class Staging:
 
 
 _TORCH = {np.dtype(np.int64).str: torch.int64, np.dtype(np.int32).str: torch.int32}
+
+
+def fill_pending(input_ids: torch.Tensor, sampled: torch.Tensor) -> None:
+    """Token ids not yet known on the host are coded -1 - j: the in-flight step's sample j, read here, in place,
+    from its ids on the device (sampled) — the step after it runs without waiting for them."""
+    input_ids.copy_(torch.where(input_ids < 0, sampled[(-1 - input_ids).clamp(min=0)], input_ids))
 
 
 def device_step(hs: HostStep, staging: Staging) -> StepInputs:

@@ -72,11 +72,11 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(aengine):
     executor = aengine.engine.executor
     real, calls = executor.execute, []
 
-    def flaky(batch):
+    def flaky(batch, *rest):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("kernel exploded")
-        return real(batch)
+        return real(batch, *rest)
 
     executor.execute = flaky
 

@@ -98,12 +98,44 @@ def test_cuda_graphs_give_the_eager_tokens(checkpoints, config):
     prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((5, 23, 1, 40, 11, 7, 30, 2, 17))]
     params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
     kw = {"page_size": 16, "num_pages": 256, "max_model_len": 256, **GPU_CONFIGS[config]}
-    eager = LLM(str(path), device="cuda", cuda_graphs=False, **kw)
+    eager = LLM(str(path), device="cuda", cuda_graphs=False, async_scheduling=False, **kw)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
-    graphed = LLM(str(path), device="cuda", **kw)
+    graphed = LLM(str(path), device="cuda", **kw)  # graphs and async scheduling (the defaults)
     got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
     assert graphed.engine.executor.graphs.replays > 0 and eager.engine.executor.graphs is None
-    assert got == want
+    assert graphed.engine.async_scheduling and got == want
+
+
+@pytest.mark.parametrize("config", ["continuous", "recompute", "swap"])
+def test_cuda_async_scheduling_gives_the_sync_outputs(checkpoints, config):
+    """Steps launched before the previous step's ids come back (read on the GPU from its samples) give what
+    the synchronous engine gives: greedy, seeded sampling with n = 2 and log-probs, stop tokens, EOS, a penalty
+    request (whose steps wait), preemption."""
+    _, path = checkpoints["qwen3"]
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((5, 23, 1, 40, 11, 7))]
+    base = LLM(str(path), device="cuda", page_size=16, num_pages=256, max_model_len=256, async_scheduling=False)
+    greedy = [o.outputs[0].token_ids for o in base.generate(prompts, SamplingParams(temperature=0, max_tokens=20,
+                                                                                    ignore_eos=True))]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[greedy[1][6]], ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20),  # EOS: made greedy[2][4] below
+              SamplingParams(temperature=0.8, top_p=0.9, seed=5, n=2, max_tokens=14, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.2),
+              SamplingParams(temperature=0, max_tokens=1)]
+    kw = {"page_size": 16, "num_pages": 256, "max_model_len": 256, **GPU_CONFIGS[config]}
+    outs = {}
+    for on in (False, True):
+        llm = LLM(str(path), device="cuda", async_scheduling=on, **kw)
+        llm.engine.model.cfg.eos_token_ids = (greedy[2][4],)
+        res = llm.generate(prompts, params)
+        outs[on] = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in res]
+        kv = llm.engine.scheduler.kv
+        assert kv.num_free_pages == kv.num_pages
+        if config in ("recompute", "swap"):
+            assert llm.engine.scheduler.num_preemptions > 0
+    assert outs[True] == outs[False]
+    (stopped, r1), (eos, r2) = outs[True][1][0], outs[True][2][0]
+    assert r1 == r2 == "stop" and stopped[-1] == greedy[1][6] and eos[-1] == greedy[2][4] and len(eos) < 20
 
 
 def test_cuda_graph_inputs_follow_each_step(checkpoints, rng):

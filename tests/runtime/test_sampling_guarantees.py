@@ -18,14 +18,14 @@ def tokens(outs):
 
 def recording(llm):
     """Record every sampled row of logits: {seq_id: {output position: logits}}."""
-    rec, real = {}, llm.engine.sampler.sample
+    rec, real = {}, llm.engine.sampler.launch
 
-    def sample(seqs, logits):
+    def launch(seqs, logits):
         for s, row in zip(seqs, logits):
             rec.setdefault(s.seq_id, {})[s.num_output_tokens] = row.clone()
         return real(seqs, logits)
 
-    llm.engine.sampler.sample = sample
+    llm.engine.sampler.launch = launch
     return rec
 
 

@@ -1,0 +1,141 @@
+"""engine.py's async scheduling on stories260K (the logic is the device's; on the CPU it runs the same code): the
+same requests give the same outputs with it on and off, through stop strings, stop tokens, EOS, max_tokens,
+n > 1, log-probabilities, penalties (whose steps wait), preemption by recompute and swap, the prefix cache,
+chunked prefill and aborts; and each step does go out before the previous step's ids are read."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from uacompile.models import STORIES260K
+from uacompile.runtime import LLM, SamplingParams
+from uacompile.runtime.step import Staging, fill_pending
+
+PROMPTS = ["Once upon a time", "Tom and his dog went to the park. They saw a big tree and a little bird.", [1],
+           "Lily liked to", "The sun was hot and the sky was blue. Lily and Tom went to the beach", "One day",
+           "Once upon a time, there was a little girl named Lily.", "Once upon a time, there was a little girl"]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=40, stop=["inside"], ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=60),  # stops at EOS (made "." below)
+    SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7, n=3, logprobs=3),
+    SamplingParams(temperature=0, max_tokens=1),
+    SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3, presence_penalty=0.5),
+    SamplingParams(temperature=0.7, top_k=20, min_p=0.05, max_tokens=25, seed=11, ignore_eos=True),  # + stop token
+    SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True),
+]
+SETUPS = {
+    "plain": {},
+    "recompute": dict(page_size=4, num_pages=28, max_model_len=96),
+    "swap": dict(page_size=4, num_pages=28, num_cpu_pages=64, preemption="swap", max_model_len=96),
+    "prefix-chunked": dict(page_size=4, max_prefill_chunk=7, max_num_batched_tokens=16),
+}
+
+
+def outputs(llm, overlapped: list | None = None):
+    """Every request's samples (tokens, text, finish reason, log-probs), requests joining while others run."""
+    eng = llm.engine
+    eng.model.cfg.eos_token_ids = (llm.tokenizer.encode(".")[-1],)
+    params = list(PARAMS)
+    params[6] = replace(params[6], stop_token_ids=[llm.tokenizer.encode("to play")[-1]])
+    if overlapped is not None:
+        real = eng.executor.execute
+
+        def execute(batch, pending=None):
+            overlapped.append(pending is not None)
+            return real(batch, pending)
+
+        eng.executor.execute = execute
+    ids, done = [], {}
+    for p, q in zip(PROMPTS, params):
+        ids.append(eng.add_request(p, q))
+        for out in eng.step():
+            done[out.request_id] = out
+    while eng.has_unfinished():
+        for out in eng.step():
+            done[out.request_id] = out
+    kv = eng.scheduler.kv
+    assert kv.num_free_pages == kv.num_pages and not any(kv.ref_count)
+    return [[(c.token_ids, c.text, c.finish_reason) for c in done[i].outputs] for i in ids]
+
+
+def logprobs(llm):
+    eng = llm.engine
+    rid = eng.add_request(PROMPTS[0], PARAMS[7])
+    got = []
+    while eng.has_unfinished():
+        got += [lp for d in eng.run_step().deltas for lp in d.logprobs]
+    return rid, got
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_async_scheduling_gives_what_sync_gives(setup):
+    kw = {"cpu_threads": 1, **SETUPS[setup]}
+    sync = outputs(LLM(STORIES260K, async_scheduling=False, **kw))
+    overlapped = []
+    llm = LLM(STORIES260K, async_scheduling=True, **kw)
+    assert outputs(llm, overlapped) == sync
+    assert sum(overlapped) > len(overlapped) // 2  # most steps went out before the previous ids were read
+    if setup in ("recompute", "swap"):
+        assert llm.engine.scheduler.num_preemptions > 0
+    if setup == "prefix-chunked":
+        assert llm.engine.scheduler.stats()["prefix_hit_rate"] > 0
+    finished = [o for req in sync for o in req]
+    assert {r for _, _, r in finished} == {"length", "stop"}
+    assert all(t >= 0 for toks, _, _ in finished for t in toks)
+
+
+def test_log_probabilities_arrive_with_their_tokens():
+    sync_rid, sync = logprobs(LLM(STORIES260K, cpu_threads=1, async_scheduling=False))
+    async_rid, got = logprobs(LLM(STORIES260K, cpu_threads=1, async_scheduling=True))
+    assert len(got) == PARAMS[7].max_tokens and [(lp.token_id, lp.top) for lp in got] == \
+        [(lp.token_id, lp.top) for lp in sync]
+
+
+def test_steps_with_penalties_wait_for_the_previous_ids():
+    llm = LLM(STORIES260K, cpu_threads=1, async_scheduling=True)
+    eng, overlapped = llm.engine, []
+    real = eng.executor.execute
+    eng.executor.execute = lambda batch, pending=None: overlapped.append(pending is not None) or real(batch, pending)
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=12, frequency_penalty=1.0))
+    assert len(out[0].outputs[0].token_ids) == 12 and not any(overlapped)
+
+
+def test_abort_with_a_step_in_flight_drops_its_sample_and_frees_the_pages():
+    llm = LLM(STORIES260K, cpu_threads=1, async_scheduling=True)
+    eng = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids
+    keep, drop = eng.add_request(PROMPTS[0], greedy), eng.add_request(PROMPTS[1], greedy)
+    for _ in range(6):
+        eng.step()
+    assert eng._inflight is not None  # noqa: SLF001  (a step is in flight when the abort comes)
+    eng.abort(drop)
+    dropped = eng.output(drop).outputs[0]
+    assert dropped.finish_reason == "abort" and all(t >= 0 for t in dropped.token_ids)
+    eng.run_until_done()
+    assert eng.output(keep).outputs[0].token_ids == alone
+    assert eng.output(drop).outputs[0].token_ids == dropped.token_ids
+    kv = eng.scheduler.kv
+    assert kv.num_free_pages == kv.num_pages and not any(kv.ref_count)
+
+
+def test_fill_pending_reads_coded_ids_from_the_in_flight_samples():
+    ids = torch.tensor([5, -1, 7, -3, -2])
+    fill_pending(ids, torch.tensor([40, 41, 42]))
+    assert ids.tolist() == [5, 40, 7, 42, 41]
+
+
+def test_staging_alternates_two_sets_of_buffers():
+    import numpy as np
+
+    st = Staging("cpu")
+    a = st.to_device("x", np.arange(3))
+    st.flip()
+    b = st.to_device("x", np.arange(3) + 10)
+    assert a.tolist() == [0, 1, 2] and b.tolist() == [10, 11, 12]
+
+
+def test_async_scheduling_option_is_checked():
+    with pytest.raises(ValueError, match="async_scheduling must be a bool or None"):
+        LLM(STORIES260K, async_scheduling="yes")
