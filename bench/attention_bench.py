@@ -47,27 +47,32 @@ def op_of(**kw) -> ir.PagedAttention:
 
 
 def launched_kernel(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_len: int,
-                    num_splits: int | None = None, fused_merge: bool = True) -> ir.Kernel:
-    """The kernel attention.plan() launches for these shapes on device 0 (to build ahead of the timings)."""
-    return ir.Kernel(op, choose_config(op, num_tokens, num_seqs, max_kv_len, device_sms(0), device_arch(0), num_splits,
-                                       fused_merge))
+                    num_splits: int | None = None, fused_merge: bool = True,
+                    wg_tile: tuple[int, int] | None = None) -> ir.Kernel:
+    """The kernel attention.plan() launches for these shapes on device 0 by the built-in rule (to build ahead of the
+    timings); wg_tile: (K/V positions, TMA stages) of its Hopper prefill path instead of the built-in one
+    (AttentionConfig.wg_tile; a config without that path is left as it is)."""
+    arch = device_arch(0)
+    config = choose_config(op, num_tokens, num_seqs, max_kv_len, device_sms(0), arch, num_splits, fused_merge)
+    if wg_tile is not None and cuda_layout.uses_wgmma(op, config, arch):
+        config = config.replace(wg_tile=wg_tile)
+    return ir.Kernel(op, config)
 
 
-def set_wg_tiles(tiles: dict[int, tuple[int, int]]) -> None:
-    """Hopper prefill tiles {padded row width: (K/V positions, TMA stages)} for this process (layout.WG_TILE), for
-    the kernels rendered from now on; the layout caches are cleared so that no earlier answer outlives them. A
-    kernel built before keeps its tile: build the new one through another kernel table (plan's kernel_of)."""
-    cuda_layout.WG_TILE.update(tiles)
-    cuda_layout.layout.cache_clear()
-    cuda_layout.check_fits.cache_clear()
-
-
-def plan_for(op: ir.PagedAttention, b, **kw) -> attention.Plan:
+def plan_for(op: ir.PagedAttention, b, wg_tile: tuple[int, int] | None = None, **kw) -> attention.Plan:
     """attention.plan() for a batch's shapes (b: a PagedBatch, or args of one with q and page_table); kw: plan()'s
-    num_splits, fused_merge, config, workspace."""
+    num_splits, fused_merge, config, workspace, kernel_of. wg_tile: the Hopper prefill tile (AttentionConfig.wg_tile)
+    on kw's config, or else on the config launched_kernel picks (the built-in rule, no tuning database)."""
     args = b if isinstance(b, dict) else b.args()
-    return attention.plan(op, args["q"].shape[0], args["page_table"].shape[0],
-                          args["page_table"].shape[1] * op.page_size, **kw)
+    shapes = args["q"].shape[0], args["page_table"].shape[0], args["page_table"].shape[1] * op.page_size
+    if wg_tile is not None:
+        config = kw.pop("config", None)
+        if config is None:
+            config = launched_kernel(op, *shapes, kw.pop("num_splits", None), kw.pop("fused_merge", True), wg_tile).config
+        elif cuda_layout.uses_wgmma(op, config, device_arch(0)):
+            config = config.replace(wg_tile=wg_tile)
+        kw["config"] = config
+    return attention.plan(op, *shapes, **kw)
 
 
 class PagedBatch:
@@ -224,9 +229,9 @@ def prefill_rows(gen, shapes=PREFILL_SHAPES, peers=None) -> list[dict]:
     return rows
 
 
-def mixed_rows(gen, kernel_of=None) -> list[dict]:
-    """One ubatch: 2 prefill chunks of 2048 tokens at 8K context + 64 decodes at 4K (kernel_of: plan()'s kernel
-    table, default the process')."""
+def mixed_rows(gen, wg_tile: tuple[int, int] | None = None) -> list[dict]:
+    """One ubatch: 2 prefill chunks of 2048 tokens at 8K context + 64 decodes at 4K (wg_tile: plan_for's Hopper
+    prefill tile, default the built-in one)."""
     op = op_of()
     chunk = PagedBatch(2, 8192, 2048, gen)
     dec = PagedBatch(64, 4096, 1, gen)
@@ -240,7 +245,7 @@ def mixed_rows(gen, kernel_of=None) -> list[dict]:
                 token_seq=torch.cat([chunk.token_seq, dec.token_seq + 2]), page_table=table,
                 token_kv_len=torch.cat([chunk.token_kv_len, dec.token_kv_len]))
     out = torch.empty_like(args["q"])
-    one, alone_p, alone_d = (plan_for(op, x, kernel_of=kernel_of) for x in (args, chunk, dec))
+    one, alone_p, alone_d = (plan_for(op, x, wg_tile=wg_tile) for x in (args, chunk, dec))
     t = time_graphs({"ua one launch": lambda: attention.run(one, **args, out=out),
                      "ua prefill part alone": lambda: attention.run(alone_p, **chunk.args(), out=chunk.out),
                      "ua decode part alone": lambda: attention.run(alone_d, **dec.args(), out=dec.out)},

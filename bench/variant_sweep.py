@@ -1,7 +1,7 @@
 """Attention across the variant axes on the device: ours against torch SDPA on contiguous KV.
 
     python3 bench/variant_sweep.py [--only NAME,...] [--json PATH]   # JSON also to $OUT/variant_sweep.json
-    python3 bench/variant_sweep.py --only d64 --wg-tile 64=192x4    # another Hopper prefill tile (layout.WG_TILE)
+    python3 bench/variant_sweep.py --only d64 --wg-tile 64=192x4    # another Hopper prefill tile (AttentionConfig.wg_tile)
     python3 bench/variant_sweep.py --rerender JSON [--out DIR] [--before JSON]  # a run's table and chart (no GPU)
 
 bench/kernels.py checks the targets on one geometry (ANCHORS.md's: bf16, Hq 32, Hkv 8, D 128, page
@@ -18,6 +18,7 @@ exceeds TOLERANCE). The ratio is SDPA's time over ours (> 1: ours is faster). Ou
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -33,8 +34,10 @@ import attention_bench as ab  # noqa: E402  (PagedBatch, sdpa, spin_up_clocks)
 from timing import copy_ceiling_gbps, time_graphs  # noqa: E402
 
 from uacompile import ir  # noqa: E402
+from uacompile.errors import IRError  # noqa: E402
 from uacompile.targets.cuda import api, attention  # noqa: E402
 from uacompile.targets.cuda import layout as cuda_layout  # noqa: E402
+from uacompile.targets.cuda.config import AttentionConfig  # noqa: E402
 from uacompile.targets.cuda.plan import choose_config, device_arch, device_sms  # noqa: E402
 
 DECODE_B, DECODE_BYTES = 16, 512 * 2**20
@@ -83,7 +86,8 @@ VARIANTS = [
 
 
 def parse_wg_tiles(specs: list[str]) -> dict[int, tuple[int, int]]:
-    """--wg-tile W=BNxSTAGES (repeatable): the wgmma prefill tile of padded row width W (layout.WG_TILE's key)."""
+    """--wg-tile W=BNxSTAGES (repeatable): the wgmma prefill tile (AttentionConfig.wg_tile) of the geometries of
+    padded row width W (layout.wgmma_width: 64, 128 or 256)."""
     tiles = {}
     for spec in specs:
         try:
@@ -92,27 +96,39 @@ def parse_wg_tiles(specs: list[str]) -> dict[int, tuple[int, int]]:
             width = int(width)
         except ValueError:
             raise SystemExit(f"--wg-tile: expected like 64=192x4, got {spec!r}") from None
-        if width not in cuda_layout.WG_TILE or bn % 16 or not 16 <= bn <= 256 or stages < 1:
-            raise SystemExit(f"--wg-tile {spec}: width one of {sorted(cuda_layout.WG_TILE)}, positions a multiple of 16 "
-                             "up to 256 (a wgmma n), at least one stage")
+        if width not in cuda_layout.WG_TILE:
+            raise SystemExit(f"--wg-tile {spec}: width one of {sorted(cuda_layout.WG_TILE)}")
+        try:
+            AttentionConfig(wg_tile=(bn, stages))
+        except IRError as e:
+            raise SystemExit(f"--wg-tile {spec}: {e}") from None
         tiles[width] = (bn, stages)
     return tiles
 
 
-def launched_ops(v: Variant, num_sms: int = cuda_layout.H200_SMS, arch: str = "sm_90") -> tuple[ir.Kernel, int, ir.Kernel]:
-    """(the decode launch's kernel, its split count, the prefill launch's kernel), as attention.plan() picks them
-    on a GPU of num_sms SMs of arch (default: the H200's)."""
+def launched_ops(v: Variant, num_sms: int = cuda_layout.H200_SMS, arch: str = "sm_90",
+                 wg_tiles: dict[int, tuple[int, int]] | None = None) -> tuple[ir.Kernel, int, ir.Kernel]:
+    """(the decode launch's kernel, its split count, the prefill launch's kernel), as attention.plan()'s built-in
+    rule picks them on a GPU of num_sms SMs of arch (default: the H200's); the prefill kernel on wg_tiles' tile of
+    the geometry's row width where it has one and runs the Hopper path."""
     op = v.op()
     decode = choose_config(op, DECODE_B, DECODE_B, v.decode_len(), num_sms, arch)
     prefill = choose_config(op, PREFILL_B * PREFILL_L, PREFILL_B, PREFILL_L, num_sms, arch, num_splits=1)
+    tile = wg_tile_of(v, wg_tiles)
+    if tile is not None and cuda_layout.uses_wgmma(op, prefill, arch):
+        prefill = prefill.replace(wg_tile=tile)
     return ir.Kernel(op, decode), decode.num_splits, ir.Kernel(op, prefill)
 
 
+def wg_tile_of(v: Variant, wg_tiles: dict[int, tuple[int, int]] | None) -> tuple[int, int] | None:
+    """The --wg-tile tile of v's padded row width, or None (the built-in one)."""
+    return (wg_tiles or {}).get(cuda_layout.wgmma_width(v.d))
 
-def build_all(variants, log=print) -> None:
+
+def build_all(variants, wg_tiles=None, log=print) -> None:
     """Every launched kernel built at once (one nvcc a kernel, in parallel), so timing never waits on a build."""
     here = device_sms(0), device_arch(0)
-    ops = list(dict.fromkeys(op for v in variants for op in launched_ops(v, *here)[::2]))  # (decode, prefill)
+    ops = list(dict.fromkeys(op for v in variants for op in launched_ops(v, *here, wg_tiles)[::2]))  # (decode, prefill)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(min(16, os.cpu_count() or 2)) as pool:
         list(pool.map(api.kernel, ops))
@@ -140,12 +156,12 @@ def decode_row(v: Variant, gen) -> dict:
                 gbps=b.kv_bytes / ours / 1e6, sdpa_gbps=b.kv_bytes / peer / 1e6, ratio=peer / ours, diff=diff)
 
 
-def prefill_row(v: Variant, gen) -> dict:
+def prefill_row(v: Variant, gen, wg_tiles=None) -> dict:
     op = v.op()
     b = ab.PagedBatch(PREFILL_B, PREFILL_L, PREFILL_L, gen, (v.hq, v.hkv, v.d, v.p), ir.torch_dtype(v.dtype))
     k, kv = b.contiguous_kv()
     want = ab.sdpa(b.q_bhld(), k, kv, True)
-    p = ab.plan_for(op, b, num_splits=1)
+    p = ab.plan_for(op, b, wg_tile_of(v, wg_tiles), num_splits=1)
     b.out.fill_(float("nan"))
     attention.run(p, **b.args(), out=b.out)
     diff = _diff(b.out.view(PREFILL_B, PREFILL_L, v.hq, v.d).transpose(1, 2), want)
@@ -230,7 +246,7 @@ def main():
     ap.add_argument("--out", default=None, help="with --rerender: the folder (default: the JSON's)")
     ap.add_argument("--before", metavar="JSON", help="with --rerender: an earlier run, drawn as dotted lines")
     ap.add_argument("--wg-tile", action="append", default=[], metavar="W=BNxST",
-                    help="a Hopper prefill tile instead of layout.WG_TILE's (row width W: 64, 128, 256)")
+                    help="a Hopper prefill tile instead of the built-in one (row width W: 64, 128, 256)")
     args = ap.parse_args()
     if args.rerender:
         src = Path(args.rerender)
@@ -245,15 +261,14 @@ def main():
         ap.error(f"unknown variants {sorted(unknown)}")
     variants = [v for v in VARIANTS if not wanted or v.name in wanted]
     wg_tiles = parse_wg_tiles(args.wg_tile)
-    ab.set_wg_tiles(wg_tiles)
-    build_all(variants)
+    build_all(variants, wg_tiles)
     gen = torch.Generator(device="cuda").manual_seed(0)
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_gbps=copy_ceiling_gbps()[0],
                 rows=[], **({"wg_tile": {str(w): f"{bn}x{st}" for w, (bn, st) in wg_tiles.items()}} if wg_tiles else {}))
     ab.spin_up_clocks()
     bad = 0
     for v in variants:
-        for measure in (decode_row, prefill_row):
+        for measure in (decode_row, functools.partial(prefill_row, wg_tiles=wg_tiles)):
             row = dict(variant=v.name, **{k: x for k, x in asdict(v).items() if k != "name"}, **measure(v, gen))
             row = {k: round(x, 4) if isinstance(x, float) else x for k, x in row.items()}
             meta["rows"].append(row)

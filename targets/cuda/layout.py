@@ -9,6 +9,7 @@ from sm_80 has.
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass
 
 from uacompile import ir
@@ -19,10 +20,11 @@ from .config import AttentionConfig
 TEMPLATE = "cuda/paged_attention.cu.j2"
 WARPS = 4  # warps of a decode group, and of a block on the mma.sync path
 WG_WARPS = 8  # consumer warps of a block on the wgmma path (+ a producer warpgroup): two warpgroups share each K/V tile; two decode groups
-# wgmma tiles by the padded width (wgmma_width): (K/V positions per tile, TMA stages); the stages fill the
-# shared memory that the 8-warp decode blocks of the same kernel take anyway. D 64: 192 positions halve the per-tile
-# barriers and row reductions a position against 128 (docs/attention-rationale.md)
-WG_TILE = {128: (128, 3), 64: (192, 4), 256: (64, 2)}
+# the built-in rule's wgmma tiles by the padded width (wgmma_width): (K/V positions per tile, TMA stages); the stages
+# fill the shared memory that the 8-warp decode blocks of the same kernel take anyway. D 64: 192 positions halve the
+# per-tile barriers and row reductions a position against 128 (docs/attention-rationale.md). Read-only: a kernel
+# that wants another tile says so in its config (AttentionConfig.wg_tile)
+WG_TILE = types.MappingProxyType({128: (128, 3), 64: (192, 4), 256: (64, 2)})
 WG_HEAD_DIMS = (64, 80, 96, 128, 256)  # head dims on the wgmma path (80 and 96 padded to 128 columns)
 DECODE_TILE = 16  # K/V positions per warp tile in decode blocks
 SMEM_PER_SM = 228 * 1024  # H100 / H200 (sm_90); 1 KB of it is reserved per block

@@ -206,6 +206,33 @@ def test_decode_sweep_builds_and_times_what_plan_launches(monkeypatch):
     assert prefill.config == AttentionConfig(item_queue=True)  # the Hopper path takes the item queue
 
 
+def test_prefill_sweep_puts_each_tile_on_the_kernel_configs(monkeypatch):
+    """prefill_sweep times each wgmma tile through the kernels' configs (AttentionConfig.wg_tile), never the built-in
+    table (layout.WG_TILE): the planned prefill kernel and the --static one carry the tile, the decode-only kernel
+    (no Hopper prefill path) stays the built-in rule's, and a tile the config refuses stops the run at once."""
+    from uacompile.targets.cuda import layout as cuda_layout
+    from uacompile.targets.cuda.config import AttentionConfig
+    from uacompile.targets.cuda.layout import layout
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    ab = importlib.import_module("attention_bench")
+    sweep = importlib.import_module("prefill_sweep")
+    monkeypatch.setattr(ab, "device_sms", lambda device: 132)
+    monkeypatch.setattr(ab, "device_arch", lambda device: "sm_90")
+    table = dict(cuda_layout.WG_TILE)
+    op = ab.op_of()
+    for tile in ((64, 6), (128, 3), (64, 4)):
+        prefill = ab.launched_kernel(op, 4 * 4096, 4, 4096, num_splits=1, wg_tile=tile)
+        assert prefill.config == AttentionConfig(item_queue=True, wg_tile=tile)
+        assert (layout(op, prefill.config, "sm_90").bn_wg, layout(op, prefill.config, "sm_90").stages_wg) == tile
+        assert ab.launched_kernel(op, 8, 8, 16384, wg_tile=tile) == ab.launched_kernel(op, 8, 8, 16384)
+        assert sweep.tile_configs(sweep.CONFIGS, tile) == {"": None, "static": AttentionConfig(wg_tile=tile)}
+    assert dict(cuda_layout.WG_TILE) == table
+    out = subprocess.run([sys.executable, str(BENCH / "prefill_sweep.py"), "--tiles", "64x6,100x3"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--tiles: AttentionConfig.wg_tile" in out.stderr, out.stderr[-2000:]
+
+
 def _variants_run(sweep, names, date="2026-12-01") -> dict:
     """A variant_sweep run's meta for the named geometries (its fields; made-up timings)."""
     rows = []
@@ -259,14 +286,32 @@ def test_variant_sweep_rerenders_a_run_and_times_the_launched_ops(tmp_path, monk
 
 
 def test_variant_sweep_takes_another_wgmma_tile(monkeypatch, tmp_path):
-    """--wg-tile W=BNxST overrides layout.WG_TILE for a run (a next tile to measure, e.g. D 64 at 192 positions),
-    refuses a malformed or impossible one, and the report says which tiles ran."""
+    """--wg-tile W=BNxST puts another tile on the prefill kernels' configs of that row width for a run
+    (AttentionConfig.wg_tile: a next tile to measure, e.g. D 64 at 192 positions), leaves the decode kernels, the
+    other widths and the built-in table (layout.WG_TILE, read-only) as they are, refuses a malformed or impossible
+    tile, and the report says which tiles ran."""
+    from uacompile.targets.cuda import layout as cuda_layout
+    from uacompile.targets.cuda.layout import layout
+
     monkeypatch.syspath_prepend(str(BENCH))
     sweep = importlib.import_module("variant_sweep")
-    assert sweep.parse_wg_tiles(["64=192x4", "128=128x2"]) == {64: (192, 4), 128: (128, 2)}
+    table = dict(cuda_layout.WG_TILE)
+    tiles = sweep.parse_wg_tiles(["64=192x4", "128=128x2"])
+    assert tiles == {64: (192, 4), 128: (128, 2)}
     for bad in ("64=192", "96=128x2", "64=200x2", "64=272x2", "64=128x0"):
         with pytest.raises(SystemExit):
             sweep.parse_wg_tiles([bad])
+    by_name = {v.name: v for v in sweep.VARIANTS}
+    for name, want in (("d64", (192, 4)), ("d96", (128, 2)), ("base", (128, 2)), ("d256", None)):
+        decode, _, prefill = sweep.launched_ops(by_name[name], wg_tiles=tiles)
+        assert prefill.config.wg_tile == want and decode.config.wg_tile is None, name
+        assert sweep.wg_tile_of(by_name[name], tiles) == want
+        lay = layout(prefill.op, prefill.config, "sm_90")
+        assert (lay.bn_wg, lay.stages_wg) == (want or table[256])
+        assert prefill.config == sweep.launched_ops(by_name[name])[2].config.replace(wg_tile=want)  # only the tile
+    assert dict(cuda_layout.WG_TILE) == table
+    with pytest.raises(TypeError):
+        cuda_layout.WG_TILE[64] = (64, 2)  # the built-in rule's table is read-only
     meta = dict(_variants_run(sweep, ["d64", "base"]), wg_tile={"64": "192x4"})
     assert "Hopper prefill tiles changed for this run (row width: positions x stages): 64: 192x4." in \
         sweep.report(meta, tmp_path, "v")

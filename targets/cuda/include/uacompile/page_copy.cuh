@@ -24,17 +24,7 @@ struct PageCopy {
   // copy_blocks (precondition, as vLLM's: no destination page is also a source page).
   static __device__ __forceinline__ void copy_blocks(V* kv, void* scales, const int64_t* __restrict__ mapping,
                                                      int64_t num_pages) {
-    const int64_t pair = blockIdx.x / CHUNKS, chunk = blockIdx.x % CHUNKS;
-    const int64_t lk = blockIdx.y;  // layer * 2 + (0 = K, 1 = V)
-    const int64_t src = mapping[2 * pair], dst = mapping[2 * pair + 1];
-    if (chunk < PAGE_CHUNKS) {
-      copy_chunk<V, THREADS, UNROLL, PAGE_VECS>(kv + (lk * num_pages + src) * PAGE_VECS,
-                                                kv + (lk * num_pages + dst) * PAGE_VECS, chunk);
-    } else if constexpr (SCALES) {
-      SV* s = (SV*)scales;
-      copy_chunk<SV, THREADS, UNROLL, SCALE_VECS>(s + (lk * num_pages + src) * SCALE_VECS,
-                                                  s + (lk * num_pages + dst) * SCALE_VECS, chunk - PAGE_CHUNKS);
-    }
+    move_pair(kv, kv, scales, scales, mapping, num_pages, num_pages);
   }
 
   // swap_blocks: src / dst may be device memory or pinned host memory (mapped under UVA: the kernel reads or
@@ -43,6 +33,15 @@ struct PageCopy {
                                                      const void* src_scales, void* dst_scales,
                                                      const int64_t* __restrict__ mapping, int64_t num_src_pages,
                                                      int64_t num_dst_pages) {
+    move_pair(src, dst, src_scales, dst_scales, mapping, num_src_pages, num_dst_pages);
+  }
+
+  // The body of both: this block's chunk of pair blockIdx.x / CHUNKS (of the page, then of its scales) from page
+  // mapping[2 pair] of src to page mapping[2 pair + 1] of dst, layer x K/V blockIdx.y. The callers' pointers say
+  // what may alias (copy_blocks: src and dst are one cache; swap_blocks: two, __restrict__).
+  static __device__ __forceinline__ void move_pair(const V* src, V* dst, const void* src_scales, void* dst_scales,
+                                                   const int64_t* __restrict__ mapping, int64_t num_src_pages,
+                                                   int64_t num_dst_pages) {
     const int64_t pair = blockIdx.x / CHUNKS, chunk = blockIdx.x % CHUNKS;
     const int64_t lk = blockIdx.y;  // layer * 2 + (0 = K, 1 = V)
     const int64_t s = mapping[2 * pair], d = mapping[2 * pair + 1];

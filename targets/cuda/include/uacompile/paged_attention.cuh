@@ -1421,6 +1421,13 @@ struct PagedAttention {
     __device__ __forceinline__ uint32_t full_v(uint32_t s) const { return base + 8 * (NST_WG + s); }
     __device__ __forceinline__ uint32_t empty_k(uint32_t s) const { return base + 8 * (2 * NST_WG + s); }
     __device__ __forceinline__ uint32_t empty_v(uint32_t s) const { return base + 8 * (3 * NST_WG + s); }
+    // Every stage's barriers set up (one thread, before the fence and the block barrier that publish them).
+    __device__ __forceinline__ void init() const {
+      for (int i = 0; i < NST_WG; ++i) {
+        mbar_init(full_k(i), FULL_ARRIVALS), mbar_init(full_v(i), FULL_ARRIVALS);
+        mbar_init(empty_k(i), WG_WARPS), mbar_init(empty_v(i), WG_WARPS);
+      }
+    }
   };
   // The token-window ring of the persistent (DYNAMIC) blocks: full(b), empty(b) for slot b of 2, 8 bytes apart.
   struct WindowBars {
@@ -1867,10 +1874,7 @@ struct PagedAttention {
         const uint32_t stages = (smem_addr(smem) + 1023) & ~1023u;  // 128-byte swizzle atoms: 1024-aligned
         const uint32_t qtiles = stages + NST_WG * STAGE_BYTES;
         if (threadIdx.x == 0) {
-          for (int i = 0; i < NST_WG; ++i) {
-            mbar_init(bars.full_k(i), FULL_ARRIVALS), mbar_init(bars.full_v(i), FULL_ARRIVALS);
-            mbar_init(bars.empty_k(i), WG_WARPS), mbar_init(bars.empty_v(i), WG_WARPS);
-          }
+          bars.init();
           // a window slot is free once the consumer warps and the producer warps other than the queue's are done with it
           for (int b = 0; b < 2; ++b) mbar_init(windows.full(b), 1), mbar_init(windows.empty(b), WG_WARPS + 2 * PRODUCER_PARTS - 1);
           asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -1955,10 +1959,7 @@ struct PagedAttention {
           const uint32_t stages = (smem_addr(smem) + 1023) & ~1023u;  // 128-byte swizzle atoms: 1024-aligned
           const uint32_t qtiles = stages + NST_WG * STAGE_BYTES;
           if (threadIdx.x == 0) {
-            for (int i = 0; i < NST_WG; ++i) {
-              mbar_init(bars.full_k(i), FULL_ARRIVALS), mbar_init(bars.full_v(i), FULL_ARRIVALS);
-              mbar_init(bars.empty_k(i), WG_WARPS), mbar_init(bars.empty_v(i), WG_WARPS);
-            }
+            bars.init();
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
           }
           __syncthreads();

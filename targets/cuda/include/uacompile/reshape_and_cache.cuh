@@ -471,12 +471,34 @@ struct ReshapeAndCache {
     return m;
   }
 
+  // The step's 2R rows' |x| maxima as float bits (absmax_bits), reduced across the lane group: one shuffle a row
+  // and round, the 2R rows' reductions interleaved.
+  template <int R>
+  static __device__ __forceinline__ void step_amax_bits(const Step<R>& st, int lane, uint32_t (&bits)[2][R]) {
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        bits[kv][r] = 0;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i)
+          if (lane + i * GROUP < CHUNKS) bits[kv][r] = max(bits[kv][r], absmax_bits(st.x[kv][r][i]));
+      }
+    const unsigned lanes = group_lanes();
+#pragma unroll
+    for (int o = GROUP / 2; o > 0; o /= 2)
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+        for (int r = 0; r < R; ++r) bits[kv][r] = max(bits[kv][r], __shfl_xor_sync(lanes, bits[kv][r], o, GROUP));
+  }
+
   // The step's 2R rows' amax (float; NaN if the row holds one), reduced across the lane group:
-  // packed, one shuffle per K/V row pair and round; otherwise the rows' float bits, one each.
+  // packed, one shuffle per K/V row pair and round; otherwise the rows' float bits, one each (step_amax_bits).
   template <int R>
   static __device__ __forceinline__ void step_amax(const Step<R>& st, int lane, float (&amax)[2][R]) {
-    const unsigned lanes = group_lanes();
     if constexpr (PACKED_AMAX) {
+      const unsigned lanes = group_lanes();
       uint32_t pair[R];  // low half: K row r, high half: V row r
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -499,21 +521,7 @@ struct ReshapeAndCache {
       }
     } else {
       uint32_t bits[2][R];
-#pragma unroll
-      for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          bits[kv][r] = 0;
-#pragma unroll
-          for (int i = 0; i < PER_LANE; ++i)
-            if (lane + i * GROUP < CHUNKS) bits[kv][r] = max(bits[kv][r], absmax_bits(st.x[kv][r][i]));
-        }
-#pragma unroll
-      for (int o = GROUP / 2; o > 0; o /= 2)
-#pragma unroll
-        for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-          for (int r = 0; r < R; ++r) bits[kv][r] = max(bits[kv][r], __shfl_xor_sync(lanes, bits[kv][r], o, GROUP));
+      step_amax_bits<R>(st, lane, bits);
 #pragma unroll
       for (int kv = 0; kv < 2; ++kv)
 #pragma unroll
@@ -566,22 +574,7 @@ struct ReshapeAndCache {
     }
     } else {
     uint32_t amax[2][R];
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        amax[kv][r] = 0;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i)
-          if (lane + i * GROUP < CHUNKS) amax[kv][r] = max(amax[kv][r], absmax_bits(st.x[kv][r][i]));
-      }
-    const unsigned lanes = group_lanes();
-#pragma unroll
-    for (int o = GROUP / 2; o > 0; o /= 2)  // the 2R rows' reductions interleaved
-#pragma unroll
-      for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-        for (int r = 0; r < R; ++r) amax[kv][r] = max(amax[kv][r], __shfl_xor_sync(lanes, amax[kv][r], o, GROUP));
+    step_amax_bits<R>(st, lane, amax);
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv) {
       float scale[R];
