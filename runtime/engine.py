@@ -87,7 +87,7 @@ class EngineConfig:
     cpu_threads: int | None = None    # torch.set_num_threads (process-wide); None leaves torch's default
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU the engine takes (weights, activations, KV)
     cuda_graphs: bool = True          # CUDA: replay decode steps from graphs captured at start-up
-    progress: bool = True             # progress bars at start-up (kernel builds, graph captures)
+    progress: bool = True             # progress bars at start-up (weight loading, kernel builds, graph captures)
     attention_variant: str = "ua"     # ua | unified_masked (llama.cpp's unified KV buffer, a measured baseline)
     kernel_dir: str | None = None     # tvm-cuda: a `uacompile build --target cuda` folder of prebuilt kernels (no TVM here)
     log_stats_interval: float = 10.0  # seconds between throughput lines at INFO (0 = none)
@@ -148,7 +148,7 @@ class Engine:
         if loaded.weights is None:  # a config alone: random weights made on the device (benchmarks)
             self.model = LlamaForCausalLM.random(cfg, ec.device, self.dtype, ec.seed)
         else:
-            self.model = LlamaForCausalLM.from_weights(cfg, loaded.weights, ec.device, self.dtype)
+            self.model = LlamaForCausalLM.from_weights(cfg, loaded.weights, ec.device, self.dtype, ec.progress)
         del loaded
         log.info("model loaded in %.2f s: %s (%s, %d layers, %d/%d heads, head_dim %d, vocab %d), %s on %s",
                  time.perf_counter() - t0, "random weights" if isinstance(model, LoadedModel) else model, cfg.arch, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
