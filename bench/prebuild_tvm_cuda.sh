@@ -2,8 +2,8 @@
 # Build the tiny preset's CUDA kernels (stories260K: TVM-CUDA .so/.cu for sm_90, and the templates' where they
 # apply) with their manifest.json into .carry/tvm-cuda (git-ignored), on a machine with TVM and nvcc, for a GPU
 # machine without TVM: the `run` tool carries ".carry/tvm-cuda"; there the runtime loads the kernels by symbol
-# (LLM(..., device="cuda", dtype="float32", kernel_dir=".carry/tvm-cuda")), and bench/run_device.sh points the GPU
-# test tests/runtime/test_tvm_cuda_backend_gpu.py at it (UA_TVM_CUDA_KERNELS).
+# (LLM(..., device="cuda", kernel_dir=".carry/tvm-cuda"), fp32 by default: engine.default_dtype), and
+# bench/run_device.sh points the GPU test tests/runtime/test_tvm_cuda_backend_gpu.py at it (UA_TVM_CUDA_KERNELS).
 #   bash bench/prebuild_tvm_cuda.sh [OUT]       # OUT defaults to .carry/tvm-cuda
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -18,9 +18,9 @@ import torch
 from uacompile import ir
 
 from .executor import Executor
-from .kernels import KernelOps, make_backend
+from .kernels import KernelOps, cuda_template_gap, make_backend
 from .loader import LoadedModel, load
-from .model import LlamaForCausalLM
+from .model import LlamaForCausalLM, ModelConfig
 from .sampling import PendingSample, Sampler, TokenLogprob
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
@@ -96,14 +96,15 @@ class InFlight:
 @dataclass
 class EngineConfig:
     device: str = "cpu"
-    dtype: str | None = None          # default: float32 on the CPU, the checkpoint's 16-bit type on CUDA
+    dtype: str | None = None          # default (default_dtype): float32 on the CPU; on CUDA the checkpoint's 16-bit
+    #                                   type where the CUDA templates cover the model, else float32 (TVM-CUDA kernels)
     kernel_backend: str = "auto"      # auto | tvm-cpu | cuda | tvm-cuda | reference
     kv_cache_bytes: int | None = None  # KV budget when num_pages is not given
     seed: int = 0                     # seeds of requests that bring none
     cpu_threads: int | None = None    # torch.set_num_threads (process-wide); None leaves torch's default
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU the engine takes (weights, activations, KV)
     cuda_graphs: bool = True          # CUDA: replay decode steps from graphs captured at start-up
-    progress: bool = True             # progress bars at start-up (kernel builds, graph captures)
+    progress: bool = True             # progress bars at start-up (weight loading, kernel builds, graph captures)
     attention_variant: str = "ua"     # ua | unified_masked (llama.cpp's unified KV buffer, a measured baseline)
     kernel_dir: str | None = None     # tvm-cuda: a `uacompile build --target cuda` folder of prebuilt kernels (no TVM here)
     log_stats_interval: float = 10.0  # seconds between throughput lines at INFO (0 = none)
@@ -142,12 +143,22 @@ class EngineConfig:
             raise ValueError(f"kernel_dir must be a folder path (str) or None, got {self.kernel_dir!r}")
 
 
-def _pick_dtype(ec: EngineConfig, checkpoint_dtype: str) -> torch.dtype:
-    if ec.dtype is not None:
-        return DTYPES[ec.dtype]
-    if ec.device == "cpu":
+def default_dtype(cfg: ModelConfig, device: str) -> torch.dtype:
+    """The dtype a model runs in when EngineConfig.dtype is None. CPU: float32. CUDA: the checkpoint's 16-bit type
+    (bfloat16 for bf16 and Q8_0 checkpoints, float16 for the others) where the CUDA templates cover the model's
+    attention in it; float32 where they do not (head_dim not a multiple of 16 in [16, 256], more than 16 query heads
+    a KV head): such a model runs on TVM's CUDA kernels, which `uacompile build` makes in the dtype this rule gives
+    (build.MODELS: stories260K, head_dim 8, in fp32)."""
+    if device == "cpu":
         return torch.float32
-    return torch.bfloat16 if checkpoint_dtype == "bfloat16" else torch.float16
+    half = torch.bfloat16 if cfg.torch_dtype == "bfloat16" else torch.float16
+    # the templates' coverage (targets/cuda/layout.check) does not depend on the page size or the window
+    gap = cuda_template_gap(KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16, half))
+    if gap is None:
+        return half
+    log.info("dtype float32: the CUDA templates do not run this model in %s (%s); it runs on TVM's CUDA kernels",
+             str(half).removeprefix("torch."), gap)
+    return torch.float32
 
 
 class Engine:
@@ -163,11 +174,11 @@ class Engine:
         t0 = time.perf_counter()
         loaded = model if isinstance(model, LoadedModel) else load(model)
         cfg, self.tokenizer = loaded.config, loaded.tokenizer
-        self.dtype = _pick_dtype(ec, cfg.torch_dtype)
+        self.dtype = DTYPES[ec.dtype] if ec.dtype is not None else default_dtype(cfg, ec.device)
         if loaded.weights is None:  # a config alone: random weights made on the device (benchmarks)
             self.model = LlamaForCausalLM.random(cfg, ec.device, self.dtype, ec.seed)
         else:
-            self.model = LlamaForCausalLM.from_weights(cfg, loaded.weights, ec.device, self.dtype)
+            self.model = LlamaForCausalLM.from_weights(cfg, loaded.weights, ec.device, self.dtype, ec.progress)
         del loaded
         log.info("model loaded in %.2f s: %s (%s, %d layers, %d/%d heads, head_dim %d, vocab %d), %s on %s",
                  time.perf_counter() - t0, "random weights" if isinstance(model, LoadedModel) else model, cfg.arch, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,

@@ -13,12 +13,14 @@ ENGINE_OPTIONS = {f.name for f in fields(EngineConfig)}
 class LLM:
     """Generate from a GGUF file or a Hugging Face directory.
 
-    Engine options: device ("cpu" | "cuda"), dtype, kernel_backend ("auto" | "tvm-cpu" | "cuda" | "tvm-cuda" |
-    "reference"), kernel_dir (prebuilt TVM-CUDA kernels: a `uacompile build --target cuda` folder),
-    kv_cache_bytes, seed, cpu_threads, log_stats_interval, gpu_memory_utilization, cuda_graphs, async_scheduling, progress,
-    attention_variant. Everything else goes to SchedulerConfig (page_size,
-    num_pages, num_cpu_pages, max_num_seqs, max_num_batched_tokens, max_prefill_chunk, policy,
-    preemption, enable_prefix_caching, max_model_len).
+    Engine options: device ("cpu" | "cuda"), dtype (default, engine.default_dtype: float32 on the CPU; on CUDA
+    the checkpoint's 16-bit type where the CUDA templates cover the model, else float32, the dtype of the
+    TVM-CUDA kernels `uacompile build` makes for it, as for stories260K), kernel_backend ("auto" | "tvm-cpu" |
+    "cuda" | "tvm-cuda" | "reference"), kernel_dir (prebuilt TVM-CUDA kernels: a `uacompile build --target cuda`
+    folder), kv_cache_bytes, seed, cpu_threads, log_stats_interval, gpu_memory_utilization, cuda_graphs,
+    async_scheduling, progress, attention_variant. Everything else goes to SchedulerConfig (page_size, num_pages, num_cpu_pages,
+    max_num_seqs, max_num_batched_tokens, max_prefill_chunk, policy, preemption, enable_prefix_caching,
+    max_model_len).
     """
 
     def __init__(self, model: str | Path, device: str = "cpu", **kwargs):

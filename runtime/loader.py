@@ -1,23 +1,26 @@
 """Load a Llama-family model: GGUF (llama.cpp) or a Hugging Face directory.
 
-Both produce (ModelConfig, weights by HF name as torch tensors, tokenizer). GGUF architectures:
-`llama` (Llama and Mistral: llama.cpp's converter writes MistralForCausalLM as `llama`), `qwen2`
-(q/k/v biases) and `qwen3` (per-head q/k RMSNorm). Tensors are dequantised at load (F32, F16, BF16,
-Q8_0). For `llama` the Q/K rows are un-permuted from llama.cpp's interleaved rotary layout back to
-the rotate-half layout the model uses; qwen2/qwen3 are stored unpermuted (llama.cpp runs them with
-NeoX rotary, which is rotate-half).
+Both produce (ModelConfig, weights by HF name, tokenizer). The weights are a model.Weights: read one tensor
+at a time into the model's parameters, in the model's dtype, so loading holds the model once plus one
+tensor (the files are memory-mapped). GGUF architectures: `llama` (Llama and Mistral: llama.cpp's converter
+writes MistralForCausalLM as `llama`), `qwen2` (q/k/v biases) and `qwen3` (per-head q/k RMSNorm). GGUF
+tensors (F32, F16, BF16, Q8_0) decode straight into the target dtype: F16 and BF16 convert element-wise
+(BF16 -> bf16 is a copy), Q8_0's products (exact in float32) round once to the target. For `llama` the
+Q/K rows are un-permuted from llama.cpp's interleaved rotary layout back to the rotate-half layout the
+model uses; qwen2/qwen3 are stored unpermuted (llama.cpp runs them with NeoX rotary, which is rotate-half).
 """
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .model import ModelConfig
+from .model import ModelConfig, Weights
 from .tokenizer import Tokenizer, gguf_tokenizer, hf_tokenizer
 
 log = logging.getLogger(__name__)
@@ -30,7 +33,7 @@ GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0")
 # Q8_0 (int8 times an fp16 scale, exact in neither half type) runs in bf16: these models were trained in
 # bf16 and their activations can leave fp16's range
 GGUF_CHECKPOINT_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "bfloat16"}
-GGUF_PROGRESS_BYTES = 256 << 20  # files this large show a progress bar while they dequantise
+GGUF_CHUNK_ELEMENTS = 1 << 20  # rows are decoded this many elements at a time
 # GGUF tensor name -> HF name ({i} = layer)
 GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -65,7 +68,7 @@ def models_dir() -> Path:
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: Weights | None  # None: a config alone (the engine makes random weights)
     tokenizer: Tokenizer | None
 
 
@@ -85,35 +88,86 @@ def load(path: str | Path) -> LoadedModel:
 
 
 # ---------------------------------------------------------------- GGUF
-def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's convert permute: per head, rows (pair j, half h) -> (half h, pair j)."""
-    rows = w.shape[0]
-    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def rope_row_order(rows: int, num_heads: int) -> np.ndarray:
+    """The GGUF row each HF row comes from for llama.cpp's convert permute (per head, rows (pair j, half h)
+    -> (half h, pair j)): HF row (head, h, j) <- GGUF row (head, j, h)."""
+    return np.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
-def gguf_tensor(t) -> np.ndarray:
-    """Dequantise one GGUF tensor to float32 in numpy (row-major) shape."""
+def _decode_rows(src: np.ndarray, kind: str, out: torch.Tensor) -> None:
+    """Decode GGUF rows (src: the stored rows, elements for F32/F16, bytes for BF16/Q8_0) into out [rows, cols]."""
+    if kind in ("F32", "F16"):
+        out.copy_(torch.from_numpy(src))
+    elif kind == "BF16":
+        out.copy_(torch.from_numpy(src.view(np.int16)).view(torch.bfloat16))
+    else:  # Q8_0: blocks of an fp16 scale and 32 int8 values; the product is exact in float32, rounded once into out
+        blocks = src.reshape(-1, 34)
+        scale = torch.from_numpy(blocks[:, :2].view(np.float16)).float()
+        torch.mul(torch.from_numpy(blocks[:, 2:].view(np.int8)), scale, out=out.view(-1, 32))
+
+
+class GGUFWeights(Weights):
+    """A GGUF file's tensors by HF name, memory-mapped; read_into decodes one into the target's dtype, row chunk by
+    row chunk (llama's Q/K rows un-permuted as they are read); self[name] is the tensor decoded to float32, which
+    holds every supported type exactly."""
+
+    def __init__(self, tensors: dict, row_orders: dict[str, np.ndarray]):
+        self.tensors, self.row_orders = tensors, row_orders  # HF name -> gguf ReaderTensor / source row per row
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        out = torch.empty(self.shape(name), dtype=torch.float32)
+        self.read_into(name, out)
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        if out.device.type != "cpu" or not out.is_contiguous():
+            host = torch.empty(out.shape, dtype=out.dtype)
+            self.read_into(name, host)
+            out.copy_(host)
+            return
+        t, order = self.tensors[name], self.row_orders.get(name)
+        kind = t.tensor_type.name
+        if out.dim() == 1 and order is not None:  # a permuted bias: small, decoded whole then reordered
+            whole = torch.empty(out.shape, dtype=out.dtype)
+            _decode_rows(t.data.reshape(1, -1), kind, whole.view(1, -1))
+            out.copy_(whole[torch.from_numpy(order)])
+            return
+        rows = out.shape[0] if out.dim() > 1 else 1
+        src, dst = t.data.reshape(rows, -1), out.view(rows, -1)
+        step = max(1, GGUF_CHUNK_ELEMENTS // dst.shape[1])
+        for a in range(0, rows, step):
+            _decode_rows(src[a:a + step] if order is None else src[order[a:a + step]], kind, dst[a:a + step])
+
+
+def _gguf_tensor_checked(t) -> None:
+    """A one-line error for a tensor of an unsupported type or whose data does not fit its header shape."""
     import gguf
 
     kind = t.tensor_type.name
     if kind not in GGUF_TENSOR_TYPES:
         raise ValueError(f"GGUF tensor {t.name}: type {kind} is not supported (supported: {GGUF_TENSOR_TYPES})")
+    block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
     shape = tuple(int(d) for d in reversed(t.shape))
-    data = np.asarray(t.data)
-    if kind in ("F32", "F16"):
-        out = data.astype(np.float32)
-    else:  # BF16 / Q8_0 arrive as raw bytes
-        out = gguf.quants.dequantize(data, t.tensor_type).astype(np.float32)
-    if out.size != int(np.prod(shape)):
-        raise ValueError(f"GGUF tensor {t.name}: {out.size} elements, header says shape {shape} (corrupt file?)")
-    return out.reshape(shape)
+    elements = int(np.prod(shape))
+    if shape[-1] % block or t.data.nbytes != elements // block * size:
+        raise ValueError(f"GGUF tensor {t.name}: {t.data.nbytes} bytes of {kind}, header says shape {shape} "
+                         "(corrupt file?)")
 
 
 def load_gguf(path: Path) -> LoadedModel:
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = gguf.GGUFReader(str(path), "c")  # copy-on-write: writable views (torch wants them), the file untouched
         fields = {k: f.contents() for k, f in reader.fields.items()}
     except Exception as e:  # bad magic, truncated file, bad offsets...
         raise ValueError(f"{path}: not a readable GGUF file, corrupt or truncated ({type(e).__name__}: {e})") from None
@@ -147,25 +201,16 @@ def load_gguf(path: Path) -> LoadedModel:
     tokenizer = gguf_tokenizer(fields) if "tokenizer.ggml.tokens" in fields else None
     vocab = int(tensors["token_embd.weight"].shape[1])
     n_layers = int(get("block_count", required=True))
-    from tqdm import tqdm
-
-    weights, elements = {}, dict.fromkeys(GGUF_TENSOR_TYPES, 0)
-    total = sum(int(t.n_bytes) for t in tensors.values())
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}", dynamic_ncols=True,
-               disable=total < GGUF_PROGRESS_BYTES)
+    named, row_orders, elements = {}, {}, dict.fromkeys(GGUF_TENSOR_TYPES, 0)
     for name, t in tensors.items():
-        bar.update(int(t.n_bytes))
         hf = _gguf_to_hf(name, n_layers)
         if hf is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {name!r} for architecture {arch}")
-        w = gguf_tensor(t)
-        if arch in GGUF_PERMUTED_QK and ".attn_q." in name:
-            w = unpermute_rope(w, H)
-        elif arch in GGUF_PERMUTED_QK and ".attn_k." in name:
-            w = unpermute_rope(w, Hkv)
-        weights[hf] = torch.from_numpy(np.ascontiguousarray(w))
-        elements[t.tensor_type.name] += w.size
-    bar.close()
+        _gguf_tensor_checked(t)
+        named[hf] = t
+        elements[t.tensor_type.name] += int(t.n_elements)
+        if arch in GGUF_PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
+            row_orders[hf] = rope_row_order(int(t.shape[-1]), H if ".attn_q." in name else Hkv)
     log.info("%s: GGUF %s, %d layers, tensor elements by type %s, tokenizer %s", path.name, arch, n_layers,
              {k: v for k, v in elements.items() if v}, fields.get("tokenizer.ggml.model"))
     cfg = ModelConfig(
@@ -181,7 +226,7 @@ def load_gguf(path: Path) -> LoadedModel:
         bos_token_id=tokenizer.bos_token_id if tokenizer else None,
         eos_token_ids=tokenizer.eos_token_ids if tokenizer else (),
         torch_dtype=GGUF_CHECKPOINT_DTYPE[max(elements, key=elements.get)])
-    return LoadedModel(cfg, weights, tokenizer)
+    return LoadedModel(cfg, GGUFWeights(named, row_orders), tokenizer)
 
 
 def _gguf_to_hf(name: str, n_layers: int) -> str | None:
@@ -245,18 +290,39 @@ def load_hf(model_dir: Path) -> LoadedModel:
     return LoadedModel(cfg, _read_safetensors(model_dir), hf_tokenizer(model_dir, eos_ids, cfg.bos_token_id))
 
 
-def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+class SafetensorsWeights(Weights):
+    """A Hugging Face checkpoint's *.safetensors, memory-mapped: each tensor is read when asked for (self[name] in the
+    checkpoint's dtype; read_into converts it into the target)."""
+
+    def __init__(self, files: dict[str, object]):
+        self.files = files  # name -> the safe_open handle holding it
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.files[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.files[name].get_slice(name).get_shape())
+
+
+def _read_safetensors(model_dir: Path) -> SafetensorsWeights:
+    from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         extra = " (pytorch_model.bin is not supported; convert to safetensors)" if any(model_dir.glob("*.bin")) else ""
         raise ValueError(f"{model_dir}: no *.safetensors weights{extra}")
-    weights = {}
+    handles = {}
     for f in files:
         try:
-            weights.update(load_file(str(f)))
+            handle = safe_open(str(f), framework="pt")
         except Exception as e:
             raise ValueError(f"{f}: cannot read safetensors ({type(e).__name__}: {e})") from None
-    # checkpoints of older transformers carry the rotary table; it is recomputed
-    return {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+        # checkpoints of older transformers carry the rotary table; it is recomputed
+        handles.update({k: handle for k in handle.keys() if not k.endswith("rotary_emb.inv_freq")})
+    return SafetensorsWeights(handles)

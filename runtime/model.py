@@ -1,15 +1,17 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) in torch.
 
 Parameter names follow Hugging Face's checkpoints, so a HF state dict loads as is and the
-GGUF loader only renames; after loading, fuse() merges q/k/v and gate/up into one projection
-each (one matmul). Matmuls are torch; the layer ops (RMSNorm with the residual add, SiLU-and-mul,
-RoPE) go through `self.layer_backend` (kernels.TorchLayerOps, or the kernel backend given to use_kernels),
-K/V writes and attention through the executor's callback (one paged-attention launch per layer
-for the whole batch).
+GGUF loader only renames. q/k/v and gate/up run as one projection each (one matmul): from_weights
+builds the fused model and reads each checkpoint tensor into its rows of the fused weight, in the
+model's dtype, one tensor at a time (Weights.read_into). Matmuls are torch; the layer ops (RMSNorm
+with the residual add, SiLU-and-mul, RoPE) go through `self.layer_backend` (kernels.TorchLayerOps, or
+the kernel backend given to use_kernels), K/V writes and attention through the executor's callback
+(one paged-attention launch per layer for the whole batch).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +20,7 @@ from torch import nn
 from .kernels import TorchLayerOps, torch_rms_norm
 
 ROPE_TYPES = ("default", "linear", "llama3")
+LOAD_PROGRESS_BYTES = 256 << 20  # models this large (in their dtype) show a progress bar while their weights load
 
 
 @dataclass(slots=True)
@@ -61,6 +64,35 @@ class ModelConfig:
             raise ValueError(f"model config: rope scaling {rtype!r} is not supported (supported: {ROPE_TYPES})")
 
 
+class Weights(Mapping):
+    """A checkpoint's tensors by Hugging Face name. shape(name) reads no data; read_into(name, out) writes the
+    tensor into out (its dtype and device), holding at most one tensor's temporary on the host. A checkpoint
+    format that decodes (GGUF) overrides both and reads each tensor straight into the model's dtype; self[name]
+    is the tensor as stored (or decoded exactly)."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self[name].shape)
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        out.copy_(self[name])
+
+
+class TensorWeights(Weights):
+    """Weights held as tensors in memory (a state dict)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Per-pair inverse frequencies [head_dim/2] (float64), with transformers' rope scaling rules."""
     D = cfg.head_dim
@@ -102,13 +134,19 @@ class RMSNorm(nn.Module):
 
 
 def merged_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose output is the parts' outputs side by side (weights and biases concatenated)."""
-    w = torch.cat([p.weight.detach() for p in parts])
-    fused = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        fused.weight.copy_(w)
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+    """One Linear whose output is the parts' outputs side by side (weights and biases stacked by rows); on the meta
+    device only its shape (no torch.cat or skip_init there: they load torch's Python meta kernels, tens of MiB)."""
+    first, rows = parts[0], sum(p.out_features for p in parts)
+    w = first.weight
+    fused = nn.Linear(first.in_features, rows, bias=first.bias is not None, device=w.device, dtype=w.dtype)
+    if w.device.type != "meta":
+        with torch.no_grad():
+            row = 0
+            for p in parts:
+                fused.weight[row:row + p.out_features].copy_(p.weight)
+                if fused.bias is not None:
+                    fused.bias[row:row + p.out_features].copy_(p.bias)
+                row += p.out_features
     return fused
 
 
@@ -210,10 +248,11 @@ class LlamaForCausalLM(nn.Module):
         self.rope_freq_factors: tuple[float, ...] = ()  # ir.Rope's form of inv_freq, set with it by _refresh_rope
         self.layer_backend: TorchLayerOps = TorchLayerOps()  # runs the layer ops (use_kernels: a backend's kernels)
 
-    def _refresh_rope(self) -> None:
+    def _refresh_rope(self, rope_freqs: torch.Tensor | None = None) -> None:
+        """inv_freq and its ir.Rope form, from the config and rope_freqs (default: the buffer)."""
         inv = rope_inv_freq(self.cfg)
         if self.cfg.rope_freq_factors:
-            inv = inv / self.rope_freqs.to(torch.float64).cpu()
+            inv = inv / (self.rope_freqs if rope_freqs is None else rope_freqs).to(torch.float64).cpu()
         self.inv_freq = inv.to(self.model.embed_tokens.weight.device)
         self.rope_freq_factors = rope_freq_factors(self.cfg, inv)
 
@@ -222,8 +261,8 @@ class LlamaForCausalLM(nn.Module):
         return ang.cos().to(dtype)[:, None, :], ang.sin().to(dtype)[:, None, :]
 
     def fuse(self) -> None:
-        """Merge each layer's q/k/v and gate/up projections into one matmul each (after load_weights: the HF
-        names load, then this; biases merged too)."""
+        """Merge each layer's q/k/v and gate/up projections into one matmul each (biases merged too); on the
+        meta device this only shapes the model that load_weights fills."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
@@ -263,16 +302,16 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @classmethod
-    def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], device="cpu",
-                     dtype: torch.dtype = torch.float32) -> "LlamaForCausalLM":
-        with torch.device("meta"):  # no memory and no random init for weights that load_weights replaces
+    def from_weights(cls, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], device="cpu",
+                     dtype: torch.dtype = torch.float32, progress: bool = False) -> "LlamaForCausalLM":
+        """The fused model in dtype on device, each checkpoint tensor read into its place (Weights.read_into,
+        a plain dict of tensors is wrapped as TensorWeights): no second copy of the model on the host or device."""
+        with torch.device("meta"):  # no memory and no random init for the parameters that load_weights fills
             model = cls(cfg)
-        model.load_weights(weights)
-        model._refresh_rope()  # rope_freqs were just loaded, at full precision
-        model.fuse()  # on the CPU, before the move: the device never holds both copies
-        model = model.to(device=device, dtype=dtype).eval()
-        model.inv_freq = model.inv_freq.to(device)
-        return model
+            model.fuse()
+        model = model.to(dtype)
+        model.load_weights(weights if isinstance(weights, Weights) else TensorWeights(weights), device, progress)
+        return model.eval()
 
     @classmethod
     def random(cls, cfg: ModelConfig, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0
@@ -297,24 +336,74 @@ class LlamaForCausalLM(nn.Module):
         model.fuse()
         return model.eval()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Strict load by HF name: a missing or unexpected tensor, or a wrong shape, is a ValueError.
-        The checkpoint's tensors (in the model's dtype) take the parameters' places."""
-        own = dict(self.named_parameters())
-        own.update({n: b for n, b in self.named_buffers() if n == "rope_freqs"})
-        if self.cfg.tie_word_embeddings:
-            own.pop("lm_head.weight", None)
-            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-        missing = sorted(set(own) - set(weights))
-        unexpected = sorted(set(weights) - set(own))
-        for what, names in (("is missing", missing), ("has unexpected", unexpected)):
-            if names:
-                raise ValueError(f"checkpoint {what} tensors: {names[:5]}{' ...' if len(names) > 5 else ''}")
-        for name, t in own.items():
-            w = weights[name]
-            if tuple(w.shape) != tuple(t.shape):
-                raise ValueError(f"tensor {name}: shape {tuple(w.shape)} does not match the config's "
-                                 f"{tuple(t.shape)}")
-        self.load_state_dict({name: weights[name].to(t.dtype) for name, t in own.items()}, strict=False, assign=True)
+    def _allocate(self, device) -> None:
+        """Uninitialised parameters and buffers on device in their dtypes, for the meta ones (Module.to_empty, or
+        empty_like of a meta tensor, does the same but imports sympy on the way: tens of MiB)."""
+        for module in self.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.is_meta:
+                    empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+                    setattr(module, name, nn.Parameter(empty, p.requires_grad))
+            for name, b in list(module.named_buffers(recurse=False)):
+                if b.is_meta:
+                    setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=device))
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def checkpoint_places(self) -> dict[str, tuple[str, int, int]]:
+        """Checkpoint (HF) name -> (this model's parameter or buffer, first row, end row): a fused projection
+        holds its parts' rows in order (q, k, v; gate, up); every other tensor fills its own parameter. A tied
+        lm_head is the embedding (no place of its own)."""
+        cfg = self.cfg
+        own = dict(self.named_parameters()) | {n: b for n, b in self.named_buffers() if n == "rope_freqs"}
+        places = {name: (name, 0, t.shape[0]) for name, t in own.items()}
+        H, Hkv, D, F_ = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        fused = {"self_attn.qkv_proj": (("self_attn.q_proj", H * D), ("self_attn.k_proj", Hkv * D),
+                                        ("self_attn.v_proj", Hkv * D)),
+                 "mlp.gate_up_proj": (("mlp.gate_proj", F_), ("mlp.up_proj", F_))}
+        for i in range(cfg.num_layers):
+            for whole, parts in fused.items():
+                for kind in ("weight", "bias"):
+                    target = f"model.layers.{i}.{whole}.{kind}"
+                    if places.pop(target, None) is None:
+                        continue
+                    row = 0
+                    for part, rows in parts:
+                        places[f"model.layers.{i}.{part}.{kind}"] = (target, row, row + rows)
+                        row += rows
+        return places
+
+    def load_weights(self, weights: Weights, device="cpu", progress: bool = False) -> None:
+        """Strict load by HF name into this fused model on the meta device: a missing or unexpected tensor, or a
+        wrong shape, is a ValueError. The parameters are made on device in their dtype, then each checkpoint
+        tensor is read into its rows (rope_freqs at full precision for the rotary table)."""
+        places = self.checkpoint_places()
+        names = set(weights) - ({"lm_head.weight"} if self.cfg.tie_word_embeddings else set())
+        missing, unexpected = sorted(set(places) - names), sorted(names - set(places))
+        for what, found in (("is missing", missing), ("has unexpected", unexpected)):
+            if found:
+                raise ValueError(f"checkpoint {what} tensors: {found[:5]}{' ...' if len(found) > 5 else ''}")
+        own = dict(self.named_parameters()) | dict(self.named_buffers())
+        for name, (target, start, stop) in places.items():
+            want, got = (stop - start, *own[target].shape[1:]), tuple(weights.shape(name))
+            if got != want:
+                raise ValueError(f"tensor {name}: shape {got} does not match the config's {want}")
+        rope_freqs = None
+        if "rope_freqs" in places:
+            rope_freqs = torch.empty(weights.shape("rope_freqs"), dtype=torch.float32)
+            weights.read_into("rope_freqs", rope_freqs)
+        self._allocate(device)
+        own = dict(self.named_parameters()) | dict(self.named_buffers())
+        from tqdm import tqdm
+
+        total = sum(t.nbytes for t in own.values())
+        with torch.no_grad(), tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", dynamic_ncols=True,
+                                   disable=not progress or total < LOAD_PROGRESS_BYTES) as bar:
+            for name, (target, start, stop) in places.items():
+                out = own[target][start:stop]
+                if name == "rope_freqs":
+                    out.copy_(rope_freqs)
+                else:
+                    weights.read_into(name, out)
+                bar.update(out.nbytes)
+        self._refresh_rope(rope_freqs)

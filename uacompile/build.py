@@ -44,7 +44,10 @@ class ModelShape:
 
 
 MODELS = {
-    # Llama-3-8B and Qwen3-8B share the attention shape
+    # each in the dtype the runtime runs it in on CUDA by default (runtime.engine.default_dtype: the checkpoint's
+    # 16-bit type where the CUDA templates cover the model, else fp32), so `LLM(model, device="cuda",
+    # kernel_dir=<this preset's build>)` finds its kernels without a dtype. Llama-3-8B and Qwen3-8B share the
+    # attention shape
     "llama3-8b": ModelShape("llama3-8b", 32, 8, 128, 16, "bf16"),
     "stories260k": ModelShape("stories260k", 8, 4, 8, 16, "fp32", decode_splits=2),
 }

@@ -222,6 +222,40 @@ def test_engine_options_are_checked_with_their_range(stories, kw, message, monke
         make(stories, **kw)
 
 
+def test_the_default_dtype_is_the_one_the_models_kernels_exist_in(stories):
+    """dtype=None: float32 on the CPU; on CUDA the checkpoint's 16-bit type where the CUDA templates cover the model,
+    else float32 (TVM's CUDA kernels). Each model `uacompile build` has a preset for is built in the dtype this
+    gives, so LLM(model, device="cuda", kernel_dir=<its preset's folder>) needs no dtype: stories260K (an fp32
+    GGUF, head_dim 8) in fp32, a Llama-3-8B-shaped bf16 checkpoint in bf16."""
+    import torch
+
+    from uacompile import build, ir
+    from uacompile.runtime.engine import default_dtype
+    from uacompile.runtime.loader import load
+    from uacompile.runtime.model import ModelConfig
+
+    def shape(hq, hkv, d, checkpoint):
+        return ModelConfig(arch="llama", vocab_size=32, hidden_size=hq * d, intermediate_size=64, num_layers=1,
+                           num_heads=hq, num_kv_heads=hkv, head_dim=d, torch_dtype=checkpoint)
+
+    story = load(stories).config
+    assert story.head_dim == 8 and story.torch_dtype == "float32"
+    assert default_dtype(story, "cuda") == torch.float32 and default_dtype(story, "cpu") == torch.float32
+    checkpoints = {"stories260k": story, "llama3-8b": shape(32, 8, 128, "bfloat16")}
+    assert set(checkpoints) == set(build.MODELS)
+    for name, cfg in checkpoints.items():
+        m = build.MODELS[name]
+        assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (m.num_q_heads, m.num_kv_heads, m.head_dim)
+        assert default_dtype(cfg, "cuda") == ir.torch_dtype(m.dtype), name
+    # the checkpoint's 16-bit type where the templates cover the model: bf16 for bf16 (and Q8_0) checkpoints, else fp16
+    for checkpoint, want in (("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float16)):
+        assert default_dtype(shape(8, 2, 64, checkpoint), "cuda") == want
+        assert default_dtype(shape(8, 2, 64, checkpoint), "cpu") == torch.float32
+    # not covered (head_dim not a multiple of 16; more than 16 query heads a KV head): float32 whatever the checkpoint
+    assert default_dtype(shape(8, 2, 40, "bfloat16"), "cuda") == torch.float32
+    assert default_dtype(shape(32, 1, 64, "float16"), "cuda") == torch.float32
+
+
 @pytest.mark.parametrize("kw,message", [
     (dict(temperature=float("inf")), r"temperature must be a finite number >= 0"),
     (dict(temperature=float("nan")), r"temperature must be a finite number >= 0"),

@@ -305,3 +305,80 @@ def test_qwen2_without_biases_is_an_error(tmp_path):
     write_gguf(path, model, "qwen2", 0, drop=("blk.0.attn_q.bias",))
     with pytest.raises(ValueError, match="missing tensors.*layers.0.self_attn.q_proj.bias"):
         LLM(str(path))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_loads_round_the_decoded_weights_once(written, dtype):
+    """Loading in a 16-bit dtype decodes straight into it (no float32 copy of the model), to the same values
+    as rounding the float32 decode: every parameter, fused q/k/v and gate/up included."""
+    from uacompile.runtime.model import LlamaForCausalLM
+
+    _, path, _, _ = written
+    loaded = load(path)
+    full = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, "cpu", torch.float32).state_dict()
+    half = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, "cpu", dtype).state_dict()
+    assert set(half) == set(full) and any("qkv_proj" in n for n in half) and any("gate_up_proj" in n for n in half)
+    for name, t in half.items():
+        assert t.dtype == dtype, name
+        assert torch.equal(t, full[name].to(dtype)), name
+
+
+PEAK_SCRIPT = """
+import json, sys
+import gguf, torch
+from uacompile.runtime.loader import load
+from uacompile.runtime.model import LlamaForCausalLM
+
+def kb(key):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
+
+# torch's first ops set up its kernels and thread pool (tens of MiB, once per process): run them before measuring
+out = torch.empty(4096, 32, dtype=torch.bfloat16)
+torch.mul(torch.ones(4096, 32, dtype=torch.int8), torch.ones(4096, 1, dtype=torch.float16).float(), out=out)
+out.copy_(torch.ones(4096, 32)), out.copy_(torch.ones(4096, 32, dtype=torch.float16))
+out[torch.arange(4096)]
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS: the peak from here on
+before = kb("VmRSS")
+loaded = load(sys.argv[1])
+model = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, "cpu", torch.bfloat16)
+print(json.dumps({"peak": (kb("VmHWM") - before) * 1024, "model": sum(p.nbytes for p in model.parameters())}))
+"""
+
+
+def test_host_peak_is_the_model_plus_one_tensor(tmp_path, rng):
+    """A Q8_0 GGUF (llama: its Q/K rows un-permuted as they load) loaded in bf16, in a fresh process: the
+    resident-memory peak of load + from_weights is at most the bf16 model, the mapped file and the largest
+    tensor in float32 (plus 24 MiB of allocator slack); a loader that decodes the whole model to float32
+    first peaks at twice the bf16 model or more."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(max_position_embeddings=256, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=64, rope_parameters={"rope_theta": 1e4},
+                          rms_norm_eps=1e-5)
+    vocab, E, F_, D = 8192, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    path = tmp_path / "peak.gguf"
+    w = gguf_writer(path, "llama", cfg)
+    shapes = {"token_embd.weight": (vocab, E), "output.weight": (vocab, E), "output_norm.weight": (E,)}
+    for i in range(cfg.num_hidden_layers):
+        shapes.update({f"blk.{i}.attn_norm.weight": (E,), f"blk.{i}.ffn_norm.weight": (E,),
+                       f"blk.{i}.attn_q.weight": (8 * D, E), f"blk.{i}.attn_k.weight": (4 * D, E),
+                       f"blk.{i}.attn_v.weight": (4 * D, E), f"blk.{i}.attn_output.weight": (E, 8 * D),
+                       f"blk.{i}.ffn_gate.weight": (F_, E), f"blk.{i}.ffn_up.weight": (F_, E),
+                       f"blk.{i}.ffn_down.weight": (E, F_)})
+    for name, shape in shapes.items():
+        x = rng.normal(0, 0.05, size=shape).astype(np.float32)
+        if len(shape) == 1:
+            w.add_tensor(name, x)
+        else:
+            raw = gguf.quants.quantize(x, Q.Q8_0)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=Q.Q8_0)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path)], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    elements = sum(int(np.prod(s)) for s in shapes.values())
+    assert got["model"] == 2 * elements
+    largest = 4 * max(int(np.prod(s)) for s in shapes.values())
+    bound = got["model"] + path.stat().st_size + largest + (24 << 20)
+    assert got["peak"] <= bound, f"host peak {got['peak'] / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"

@@ -69,6 +69,33 @@ def test_every_stories260k_kernel_is_found_by_symbol_and_loaded_without_tvm(kern
         assert path == str(kernel_dir / "cuda" / "tvm" / f"{sym}_sm_90.so"), (kind, path)
 
 
+def test_the_default_cuda_dtype_is_the_one_the_tiny_preset_builds_stories260k_in():
+    """engine.default_dtype on CUDA gives stories260K (head_dim 8: no CUDA template) fp32, and every TVM-CUDA kernel
+    the backend loads at that dtype is one `uacompile build --preset tiny --target cuda` makes (no build needed)."""
+    from uacompile.build import preset_kernels
+    from uacompile.runtime.engine import default_dtype
+
+    dtype = default_dtype(load(STORIES).config, "cuda")
+    assert dtype == torch.float32
+    ops = stories_ops(dtype)
+    assert cuda_template_gap(ops) is not None  # `auto` on CUDA runs it on tvm-cuda
+    preset = {k.symbol() for k in preset_kernels("tiny", "cuda", "tvm")}
+    assert {k.symbol() for k in tvm_cuda_kernels(ops)} <= preset
+    assert not {k.symbol() for k in tvm_cuda_kernels(stories_ops(torch.float16))} & preset  # the old default's
+
+
+def test_the_auto_backend_at_the_default_dtype_loads_stories260k_from_the_tiny_preset(kernel_dir):
+    """LLM(stories260K, device="cuda", kernel_dir=<tiny preset>) without dtype: the backend `auto` picks at the
+    default dtype finds every kernel in the folder (arch sm_90 where torch sees no GPU)."""
+    from uacompile.runtime.engine import default_dtype
+
+    ops = stories_ops(default_dtype(load(STORIES).config, "cuda"))
+    backend = make_backend("auto", ops, "cuda", kernel_dir)
+    assert backend.name == "tvm-cuda"
+    assert set(backend.paths) == {k.symbol() for k in tvm_cuda_kernels(ops)}
+    assert all(Path(p).is_relative_to(kernel_dir) for p in backend.paths.values())
+
+
 def test_a_missing_kernel_is_one_line_naming_the_build_command(kernel_dir, tmp_path):
     folder = tmp_path / "partial"
     shutil.copytree(kernel_dir, folder)
