@@ -89,6 +89,19 @@ def test_decode_space_searches_splits_merge_and_decode_only():
     assert {c.num_splits for c in one} >= {1, 8} and cands[1:len(one) + 1] == one
 
 
+def test_a_cuda_candidate_builds_what_its_plan_loads(monkeypatch):
+    """Unfused split partials take a merge_state kernel: built with the candidate (the bench's plan loads both)."""
+    import uacompile.targets.cuda.build as cuda_build
+
+    built = []
+    monkeypatch.setattr(cuda_build, "build", lambda kernels, arch: built.extend(kernels))
+    CUDASpace.build(ir.Kernel(BASE, AttentionConfig(num_splits=4, decode_only=True)))
+    assert [k.kind for k in built] == ["paged_attention", "merge_state"] and built[1].op.num_splits == 4
+    built.clear()
+    CUDASpace.build(ir.Kernel(BASE, AttentionConfig(num_splits=4, fused_merge=True, decode_only=True)))
+    assert [k.kind for k in built] == ["paged_attention"]
+
+
 def test_ordered_is_seeded_and_default_first():
     d = TVMConfig()
     cs = [TVMConfig(lanes=4), TVMConfig(threads=256), TVMConfig(lanes=4, threads=256),

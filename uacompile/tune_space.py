@@ -308,9 +308,14 @@ class CUDASpace:
 
     @staticmethod
     def build(kernel: ir.Kernel) -> None:
+        """The kernels a bench of kernel loads, each as the planner builds it: an attention config's launched
+        kernels (plan.launched_kernels: with unfused splits, merge_state too)."""
         from .targets.cuda.build import build
+        from .targets.cuda.plan import launched_kernels
 
-        build([kernel], None)
+        for k in launched_kernels(kernel.op, kernel.config) if kernel.kind == "paged_attention" else (kernel,):
+            if k is not None:
+                build([k], None)
 
     def bench(self, kernel: ir.Kernel, shape: Shape, seed: int = 0):
         from .targets.cuda import api
