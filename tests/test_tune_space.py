@@ -40,8 +40,7 @@ def test_prefill_space_searches_tiles_and_producer_lanes_all_fitting_default_fir
     cands = s.candidates(op, PREFILL)
     assert cands[0] == s.default(op, PREFILL) == AttentionConfig(item_queue=True)
     _fits_all(op, cands)
-    assert not any(c.decode_only for c in cands) and {c.num_splits for c in cands} <= {1, 2}
-    assert all(c.fused_merge for c in cands if c.num_splits > 1)
+    assert not any(c.decode_only for c in cands) and {c.num_splits for c in cands} == {1}  # its tiles fill the GPU
     tiles = {c.wg_tile for c in cands} - {None}
     assert tiles == set(wg_tiles(op, "sm_90"))
     assert any(not c.item_queue for c in cands) and any(c.q_prefetch_min is not None for c in cands)
@@ -54,6 +53,15 @@ def test_prefill_space_searches_tiles_and_producer_lanes_all_fitting_default_fir
     # every one-knob change of the rule comes before any two-knob one
     base = vars(cands[0])
     assert [changes(c, base) for c in cands] == sorted(changes(c, base) for c in cands)
+
+
+def test_a_prefill_whose_tiles_leave_sms_idle_tries_a_few_merged_splits():
+    op = ir.PagedAttention(16, 2, 128, 16, "bf16", "bf16")
+    shape = Shape.parse("prefill:1x512")  # 32 tiles x 2 KV heads on 132 SMs
+    cands = CUDASpace().candidates(op, shape)
+    assert cands[0] == CUDASpace().default(op, shape) and {c.num_splits for c in cands} == {1, 2}
+    assert all(c.fused_merge for c in cands if c.num_splits > 1)
+    _fits_all(op, cands)
 
 
 def test_prefill_tiles_fit_shared_memory_registers_and_pages():

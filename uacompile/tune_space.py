@@ -46,9 +46,11 @@ def check_shape(shape: Shape) -> Shape:
 
 def changes(config, base: dict) -> int:
     """How many knobs config turns away from base (a config's asdict): its fields that differ, fused_merge not
-    counted where num_splits differs too (the merge is how a split count ends, no knob of its own then)."""
-    diff = {k for k, v in dataclasses.asdict(config).items() if v != base[k]}
-    if {"num_splits", "fused_merge"} <= diff:
+    counted where the split count goes to or from 1 (one split has nothing to merge: the merge comes with the
+    splits, no knob of its own then)."""
+    now = dataclasses.asdict(config)
+    diff = {k for k, v in now.items() if v != base[k]}
+    if "num_splits" in diff and (now["num_splits"] == 1) != (base["num_splits"] == 1):
         diff.discard("fused_merge")
     return len(diff)
 
@@ -250,13 +252,14 @@ class CUDASpace:
 
     def axes(self, op, shape: Shape) -> dict:
         """AttentionConfig / ReshapeConfig field -> the values tried, by the shape's kind. Decode: split count, fused
-        merge, decode-only. Prefill (whose tiles fill the GPU: splits 1 or 2): on the Hopper path the wgmma tile and
-        its stages (wg_tiles), the item queue, the Q prefetch, and where the rule copies pages by cp.async (pages
-        under layout.CP_PRODUCER_BELOW positions) the producer's lanes a row and TMA instead (cp_producer_below =
-        the page size). None is the built-in rule's value; a value the rule already takes is not listed again."""
+        merge, decode-only. Prefill: 2 or 4 splits only where its tiles leave SMs idle (plan.choose_splits' FULL_WAVE
+        test); on the Hopper path the wgmma tile and its stages (wg_tiles), the item queue, the Q prefetch, and where
+        the rule copies pages by cp.async (pages under layout.CP_PRODUCER_BELOW positions) the producer's lanes a
+        row and TMA instead (cp_producer_below = the page size). None is the built-in rule's value; a value the rule
+        already takes is not listed again."""
         from .targets.cuda import layout
         from .targets.cuda.config import AttentionConfig
-        from .targets.cuda.plan import MAX_SPLITS, MIN_SPLIT_LEN
+        from .targets.cuda.plan import FULL_WAVE, MAX_SPLITS, MIN_SPLIT_LEN
 
         if op.kind == "reshape_and_cache":
             return {"rows": (None, 1, 2, 4, 8), "threads": (None, 64, 128, 256), "waves": (None, 0, 1, 2, 4),
@@ -265,9 +268,12 @@ class CUDASpace:
             limit = min(MAX_SPLITS, max(1, shape.max_kv_len // (MIN_SPLIT_LEN // 2)))
             return {"num_splits": [s for s in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64) if s <= limit],
                     "fused_merge": (False, True), "decode_only": (False, True)}
-        axes = {"num_splits": (1, 2), "fused_merge": (False, True)}
-        arch, _ = self._arch_sms()
+        arch, sms = self._arch_sms()
         rule = AttentionConfig()
+        lay = layout.layout(op, rule, arch)
+        fills = layout.prefill_items(op, rule, shape.num_tokens, arch) >= FULL_WAVE * sms * lay.blocks_per_sm
+        axes = {"num_splits": (1,) if fills else [s for s in (1, 2, 4) if s == 1 or shape.max_kv_len >= MIN_SPLIT_LEN * s],
+                "fused_merge": (False, True)}
         if not layout.uses_wgmma(op, rule, arch):
             return axes
         G, D, P = op.group_size, op.head_dim, op.page_size
