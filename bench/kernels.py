@@ -1,6 +1,7 @@
 """Kernel benchmark, run on the device: prints one table and writes kernels-<date>.json / .md.
 
     PYTHONPATH=... python3 bench/kernels.py --out bench/results [--only attention,cache,swap,build] [--quick]
+                                            [--tvm-cuda-dir DIR]
 
 Rows are dicts {op, shape, impl, gbps | tflops | ms, note?}. Bandwidth counts the bytes a
 kernel must move (each input read once, each output written once) over its median time
@@ -51,6 +52,7 @@ class BenchContext:
     copy_gbps: float = 0.0  # device-to-device copy ceiling, bytes read + written
     quick: bool = False
     gpu: str = ""
+    tvm_cuda_dir: str | None = None  # prebuilt TVM-CUDA kernels (--tvm-cuda-dir) for a machine without TVM
     notes: list = field(default_factory=list)
 
 
@@ -311,6 +313,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {list(SECTIONS)}")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    ap.add_argument("--tvm-cuda-dir", default=None, help="folder of prebuilt TVM-CUDA kernels for the tvm-cuda "
+                                                         "section (bench/prebuild_tvm_cuda.sh --tune N): no TVM here")
     ap.add_argument("--rerender", metavar="JSON", help="rewrite the report of a run's JSON into --out (no GPU)")
     args = ap.parse_args(argv)
     if args.rerender:
@@ -321,7 +325,7 @@ def main(argv=None) -> int:
         return 2
     np.random.seed(0)
     torch.manual_seed(0)
-    ctx = BenchContext(quick=args.quick, gpu=torch.cuda.get_device_name())
+    ctx = BenchContext(quick=args.quick, gpu=torch.cuda.get_device_name(), tvm_cuda_dir=args.tvm_cuda_dir)
     rows = copy_ceiling(ctx)
     names = args.only.split(",")
     unknown = [n for n in names if n not in SECTIONS]

@@ -4,10 +4,20 @@
 # machine without TVM: the `run` tool carries ".carry/tvm-cuda"; there the runtime loads the kernels by symbol
 # (LLM(..., device="cuda", kernel_dir=".carry/tvm-cuda"), fp32 by default: engine.default_dtype), and
 # bench/run_device.sh points the GPU test tests/runtime/test_tvm_cuda_backend_gpu.py at it (UA_TVM_CUDA_KERNELS).
-#   bash bench/prebuild_tvm_cuda.sh [OUT]       # OUT defaults to .carry/tvm-cuda
+# With --tune N, also OUT/tune: every TVM-CUDA kernel that `bench/tune_device.py --only tvm-cuda --trials N` times and
+# bench/tvm_cuda_bench.py runs, as <symbol>_sm_90.so (bench/tune_device.py --prebuild-tvm-cuda); on the device
+# `--tvm-cuda-dir .carry/tvm-cuda/tune` (tune_device.py, kernels.py) finds them there by symbol. N must be the run's.
+#   bash bench/prebuild_tvm_cuda.sh [OUT] [--tune N]    # OUT defaults to .carry/tvm-cuda
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-.carry/tvm-cuda}
+OUT=.carry/tvm-cuda
+TUNE=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tune) TUNE=${2:?--tune takes N, the --trials of the tuning run}; shift 2 ;;
+    *) OUT=$1; shift ;;
+  esac
+done
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 rm -rf "$OUT"
@@ -32,3 +42,7 @@ for name, op in mod.VARIANTS.items():
     build_cuda_library(op, "sm_90", sys.argv[1])
 print(f"{len(mod.VARIANTS)} TVM-CUDA test kernels in {sys.argv[1]}")
 PY
+if [ -n "$TUNE" ]; then
+  "$PY" bench/tune_device.py --prebuild-tvm-cuda "$OUT/tune" --trials "$TUNE" --jobs "${UA_PREBUILD_JOBS:-2}"
+fi
+du -sh "$OUT"

@@ -1,12 +1,14 @@
 """The TVM lowering's CUDA attention beside the Jinja kernels, on the production shapes (run on the device).
 
-    rows = tvm_cuda_rows(ctx)          # bench/kernels.py's "tvm-cuda" section
+    rows = tvm_cuda_rows(ctx)          # bench/kernels.py's "tvm-cuda" section (--tvm-cuda-dir: ctx.tvm_cuda_dir)
 
 Per shape, one interleaved timing (timing.time_graphs) of: the Jinja kernel the planner launches ("ua jinja
 (auto)"), TVM's CUDA kernel in its default schedule ("tvm-cuda default"), and TVM's kernel in the tuning
 database's config for this GPU where `uacompile tune --target tvm-cuda` recorded one ("tvm-cuda tuned"). Each
 TVM row notes its max abs difference from the Jinja output and its time as a multiple of the Jinja kernel's.
 TVM's kernels walk K/V once per (token, head): prefill reads K/V per token, so its prefill rows are few and short.
+On a GPU machine without TVM the kernels come from a folder of prebuilt libraries (kernel_dir: bench/kernels.py
+--tvm-cuda-dir, made by bench/prebuild_tvm_cuda.sh --tune N), found there by symbol.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def tuned_tvm_config(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_
     return cfg if isinstance(cfg, TVMConfig) else None
 
 
-def _rows_of(kind: str, B: int, L: int, gen) -> list[dict]:
+def _rows_of(kind: str, B: int, L: int, gen, kernel_dir=None) -> list[dict]:
     from uacompile.targets.cuda import attention
 
     q_len = 1 if kind == "decode" else L
@@ -44,7 +46,7 @@ def _rows_of(kind: str, B: int, L: int, gen) -> list[dict]:
     tuned = tuned_tvm_config(op, T, B, L)
     if tuned is not None:
         configs["tvm-cuda tuned"] = tuned
-    tvm = {name: tvm_cuda_plan(ir.Kernel(op, cfg), T, b0.q.device) for name, cfg in configs.items()}
+    tvm = {name: tvm_cuda_plan(ir.Kernel(op, cfg), T, b0.q.device, kernel_dir) for name, cfg in configs.items()}
     fns = {"ua jinja (auto)": [lambda b=b: attention.run(jinja, **b.args(), out=b.out) for b in batches]}
     for name, (fn, ws) in tvm.items():
         fns[name] = [lambda b=b, fn=fn, ws=ws: fn(**b.args(), out=b.out, **ws) for b in batches]
@@ -74,15 +76,17 @@ def _rows_of(kind: str, B: int, L: int, gen) -> list[dict]:
     return rows
 
 
-def tvm_cuda_rows(ctx=None, quick: bool = False) -> list[dict]:
+def tvm_cuda_rows(ctx=None, quick: bool = False, kernel_dir=None) -> list[dict]:
+    """The rows of every shape; kernel_dir (else ctx.tvm_cuda_dir): a folder of prebuilt TVM-CUDA libraries."""
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     quick = quick or bool(getattr(ctx, "quick", False))
+    kernel_dir = kernel_dir or getattr(ctx, "tvm_cuda_dir", None)
     rows = []
     for B, L in DECODE_SHAPES[:2] if quick else DECODE_SHAPES:
-        rows += _rows_of("decode", B, L, gen)
+        rows += _rows_of("decode", B, L, gen, kernel_dir)
     for B, L in [] if quick else PREFILL_SHAPES:
-        rows += _rows_of("prefill", B, L, gen)
+        rows += _rows_of("prefill", B, L, gen, kernel_dir)
     return rows
 
 

@@ -70,8 +70,18 @@ class Result:
         return {**asdict(self), "speedup": round(self.speedup, 4)}
 
 
-def _build_all(space, kernels: list, jobs: int, progress: bool) -> dict:
-    """{index: error string} of the kernels whose build failed; the others are in the kernel cache."""
+def trial_configs(space, op: ir.OpSpec, shape: Shape, trials: int | None = None, budget: float | None = None) -> list:
+    """The configs tune() tries for op at shape, the default first: the space's candidates, at most `trials` (all
+    of them with a budget, which tune() cuts by time; DEFAULT_TRIALS without either). Deterministic (the spaces'
+    order is seeded), so the kernels of a run can be built ahead of it (build_all)."""
+    configs = space.candidates(op, shape)
+    return configs[:trials if trials is not None else (None if budget is not None else DEFAULT_TRIALS)]
+
+
+def build_all(space, kernels: list, jobs: int, progress: bool = True) -> dict:
+    """Build kernels through space.build (a process pool of `jobs` workers): {index: error string} of those whose
+    build failed; the others are in the kernel cache. tune() builds a shape's candidates so; a run of many shapes
+    may build all of theirs first in one pool (trial_configs), which tune() then finds in the cache."""
     from tqdm import tqdm
 
     errors = {}
@@ -123,9 +133,8 @@ def tune(op: ir.OpSpec, space, shapes: list[Shape], db: TuningDB, *, trials: int
             results.append(Result(space.target, op.to_dict(), str(shape), bucket, rec.default_config, rec.config,
                                   rec.default_ms, rec.tuned_ms, rec.candidates, 0, [], cached=True))
             continue
-        configs = space.candidates(op, shape)
+        configs = trial_configs(space, op, shape, trials, budget)
         default = configs[0]
-        configs = configs[:trials if trials is not None else (None if budget is not None else DEFAULT_TRIALS)]
         kernels, discarded, ok = [], [], []
         for c in configs:
             try:
@@ -140,7 +149,7 @@ def tune(op: ir.OpSpec, space, shapes: list[Shape], db: TuningDB, *, trials: int
             if budget is not None and lo and time.perf_counter() - t_start > budget / 2:
                 break
             part = [(i, k) for i, k in enumerate(kernels[lo:lo + chunk], lo) if k is not None]
-            errors = _build_all(space, [k for _, k in part], jobs, progress)
+            errors = build_all(space, [k for _, k in part], jobs, progress)
             for j, (i, k) in enumerate(part):
                 if j in errors:
                     discarded.append((config_to_dict(configs[i]), errors[j]))
@@ -316,5 +325,5 @@ def ops_to_tune(target: str, preset: str | None = None, op_name: str | None = No
     return ops
 
 
-__all__ = ["DEFAULT_SHAPES", "Result", "tune", "report_table", "report_json", "plot", "write_report", "read_report",
-           "ops_to_tune"]
+__all__ = ["DEFAULT_SHAPES", "Result", "trial_configs", "build_all", "tune", "report_table", "report_json", "plot",
+           "write_report", "read_report", "ops_to_tune"]

@@ -6,13 +6,14 @@ and makes a Bench of it: `check()` compares the kernel with the float64 referenc
 kind (raises on a mismatch), `sample(calls)` returns seconds per call. Spaces:
 
   cpu       TVMConfig schedule knobs on the LLVM target (paged_attention, reshape_and_cache); CPU timers
-  cuda      AttentionConfig (split count, fused merge, decode-only, item queue) and ReshapeConfig, on the Jinja
-            kernels; CUDA events
-  tvm-cuda  TVMConfig's CUDA knobs (lanes a row, threads a block, splits) on TVM's CUDA source; CUDA events
+  cuda      AttentionConfig and ReshapeConfig, on the Jinja kernels, by the shape's kind: decode the split count,
+            fused merge and decode-only; prefill the Hopper path's wgmma tile and stages, item queue, Q prefetch and
+            (small pages) the cp.async producer's lanes a row or TMA instead; CUDA events
+  tvm-cuda  TVMConfig's CUDA knobs (lanes a row, threads a block, splits) on TVM's CUDA source; CUDA events; the
+            libraries from a folder of prebuilt ones (kernel_dir) where the GPU machine has no TVM
   ascend    AscendConfig's tile and blockDim cap on the CPU emulator: checked against the reference, never timed
 
-A config field added to a target (the CUDA tiles, stages and producer lanes of targets/cuda/layout.py, once they
-are AttentionConfig fields) joins the search by an entry in that space's axes(): field -> the values to try.
+A config field added to a target joins the search by an entry in that space's axes(): field -> the values to try.
 """
 from __future__ import annotations
 
@@ -43,14 +44,25 @@ def check_shape(shape: Shape) -> Shape:
     return Shape("prefill", min(shape.batch, 2), min(shape.length, 96))
 
 
+def changes(config, base: dict) -> int:
+    """How many knobs config turns away from base (a config's asdict): its fields that differ, fused_merge not
+    counted where the split count goes to or from 1 (one split has nothing to merge: the merge comes with the
+    splits, no knob of its own then)."""
+    now = dataclasses.asdict(config)
+    diff = {k for k, v in now.items() if v != base[k]}
+    if "num_splits" in diff and (now["num_splits"] == 1) != (base["num_splits"] == 1):
+        diff.discard("fused_merge")
+    return len(diff)
+
+
 def ordered(default, candidates, seed: str) -> list:
-    """default first, then the other candidates nearest it first (fewest fields changed), in an order fixed by
-    seed within each distance: --trials N tries every one-field change of the rule before any two-field one."""
+    """default first, then the other candidates nearest it first (fewest knobs changed), in an order fixed by
+    seed within each distance: --trials N tries every one-knob change of the rule before any two-knob one."""
     rng = random.Random(zlib.crc32(seed.encode()))
     rest = sorted({c for c in candidates if c != default}, key=repr)
     rng.shuffle(rest)
     base = dataclasses.asdict(default)
-    return [default, *sorted(rest, key=lambda c: sum(v != base[k] for k, v in dataclasses.asdict(c).items()))]
+    return [default, *sorted(rest, key=lambda c: changes(c, base))]
 
 
 def product(axes: dict, base):
@@ -180,12 +192,43 @@ def to_device(arrays: dict, device) -> dict:
     return out
 
 
+def device_inputs(op, rng, shape: Shape, device) -> dict:
+    """A timing input set of an attention shape as torch tensors on a CUDA device: the page table and token arrays
+    as testing.attention_inputs makes them, q / K / V drawn on the device (the production shapes' KV takes tens of
+    seconds to draw with numpy). Quantised KV (values and scales): testing.attention_inputs, copied over. Only
+    timed, never checked: a check draws its own numpy inputs for the reference."""
+    import torch
+
+    if op.quantized:
+        return to_device(_tensors(testing.attention_inputs(op, rng, shape.kv_lens(), shape.q_lens())), device)
+    kv_lens, q_lens = shape.kv_lens(), shape.q_lens()
+    token_seq, token_kv_len = testing.ubatch(kv_lens, q_lens)
+    table, num_pages = testing.scattered_page_table(rng, kv_lens, op.page_size)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(rng.integers(1 << 62)))
+
+    def normal(shape_, dtype):
+        return torch.randn(shape_, generator=gen, device=device).to(ir.torch_dtype(dtype))
+
+    cache = (num_pages, op.page_size, op.num_kv_heads, op.head_dim)
+    out = dict(q=normal((len(token_seq), op.num_q_heads, op.head_dim), op.q_dtype), k_cache=normal(cache, op.kv_dtype),
+               v_cache=normal(cache, op.kv_dtype))
+    arrays = dict(token_seq=token_seq, page_table=table, token_kv_len=token_kv_len)
+    if op.alibi:
+        arrays["alibi_slopes"] = testing.alibi_slopes(op.num_q_heads)
+    return {**out, **to_device(arrays, device)}
+
+
 class CUDASpace:
     target = "cuda"
     timer = "cuda"
 
     def __init__(self, device=0):
         self.device = device
+
+    def __getstate__(self) -> dict:
+        """What a build worker gets (tune's process pool): not the benches' input sets on the GPU."""
+        return {k: v for k, v in self.__dict__.items() if k != "_inputs_of"}
 
     def ops(self) -> tuple[str, ...]:
         return ("paged_attention", "reshape_and_cache")
@@ -208,19 +251,43 @@ class CUDASpace:
         return plan.choose_config(op, shape.num_tokens, shape.num_seqs, shape.max_kv_len, sms, arch)
 
     def axes(self, op, shape: Shape) -> dict:
-        """AttentionConfig / ReshapeConfig field -> the values tried."""
-        from .targets.cuda.plan import MAX_SPLITS, MIN_SPLIT_LEN
+        """AttentionConfig / ReshapeConfig field -> the values tried, by the shape's kind. Decode: split count, fused
+        merge, decode-only. Prefill: 2 or 4 splits only where its tiles leave SMs idle (plan.choose_splits' FULL_WAVE
+        test); on the Hopper path the wgmma tile and its stages (wg_tiles), the item queue, the Q prefetch, and where
+        the rule copies pages by cp.async (pages under layout.CP_PRODUCER_BELOW positions) the producer's lanes a
+        row and TMA instead (cp_producer_below = the page size). None is the built-in rule's value; a value the rule
+        already takes is not listed again."""
+        from .targets.cuda import layout
+        from .targets.cuda.config import AttentionConfig
+        from .targets.cuda.plan import FULL_WAVE, MAX_SPLITS, MIN_SPLIT_LEN
 
         if op.kind == "reshape_and_cache":
             return {"rows": (None, 1, 2, 4, 8), "threads": (None, 64, 128, 256), "waves": (None, 0, 1, 2, 4),
                     "stages": (None, 0, 2), "prefetch": (None, 0, 4)}
-        limit = min(MAX_SPLITS, max(1, shape.max_kv_len // (MIN_SPLIT_LEN // 2)))
-        return {"num_splits": [s for s in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64) if s <= limit],
-                "fused_merge": (False, True),
-                "decode_only": (False, True) if shape.kind == "decode" else (False,),
-                "item_queue": (False, True)}
+        if shape.kind == "decode":
+            limit = min(MAX_SPLITS, max(1, shape.max_kv_len // (MIN_SPLIT_LEN // 2)))
+            return {"num_splits": [s for s in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64) if s <= limit],
+                    "fused_merge": (False, True), "decode_only": (False, True)}
+        arch, sms = self._arch_sms()
+        rule = AttentionConfig()
+        lay = layout.layout(op, rule, arch)
+        fills = layout.prefill_items(op, rule, shape.num_tokens, arch) >= FULL_WAVE * sms * lay.blocks_per_sm
+        axes = {"num_splits": (1,) if fills else [s for s in (1, 2, 4) if s == 1 or shape.max_kv_len >= MIN_SPLIT_LEN * s],
+                "fused_merge": (False, True)}
+        if not layout.uses_wgmma(op, rule, arch):
+            return axes
+        G, D, P = op.group_size, op.head_dim, op.page_size
+        axes.update(item_queue=(False, True), wg_tile=(None, *wg_tiles(op, arch)),
+                    q_prefetch_min=(None, 0 if G * D * 2 < layout.q_prefetch_min() else 1 << 20))
+        if P < layout.cp_producer_below():
+            axes.update(cp_row_lanes=(None, *(n for n in (2, 4, 8) if n != layout.cp_row_lanes(D))),
+                        cp_producer_below=(None, P))
+        return axes
 
     def candidates(self, op, shape: Shape) -> list:
+        """The default (the built-in rule's config) first, then the axes' other configs that the template builds and
+        that run differently: each passes layout.check and check_fits; the item queue only on the Hopper path;
+        prefill splits only merged in the launch; producer lanes only where pages are copied by cp.async."""
         from .targets.cuda import layout
 
         default = self.default(op, shape)
@@ -230,6 +297,10 @@ class CUDASpace:
             if op.kind == "paged_attention":
                 if c.item_queue and not layout.uses_wgmma(op, c, arch):
                     continue
+                if shape.kind == "prefill" and c.num_splits > 1 and not c.fused_merge:
+                    continue
+                if c.cp_row_lanes is not None and op.page_size >= layout.cp_producer_below(c):
+                    continue  # TMA copies the pages: the lanes change nothing
                 try:
                     layout.check(op, c)
                     layout.check_fits(op, c, arch)
@@ -243,9 +314,14 @@ class CUDASpace:
 
     @staticmethod
     def build(kernel: ir.Kernel) -> None:
+        """The kernels a bench of kernel loads, each as the planner builds it: an attention config's launched
+        kernels (plan.launched_kernels: with unfused splits, merge_state too)."""
         from .targets.cuda.build import build
+        from .targets.cuda.plan import launched_kernels
 
-        build([kernel], None)
+        for k in launched_kernels(kernel.op, kernel.config) if kernel.kind == "paged_attention" else (kernel,):
+            if k is not None:
+                build([k], None)
 
     def bench(self, kernel: ir.Kernel, shape: Shape, seed: int = 0):
         from .targets.cuda import api
@@ -254,14 +330,44 @@ class CUDASpace:
             return CUDAReshapeBench(api.kernel(kernel), kernel.op, shape, seed)
         return self._shared(CUDAAttentionBench, kernel, shape, seed)
 
-    def _shared(self, cls, kernel: ir.Kernel, shape: Shape, seed: int):
-        """A bench over the input sets of the last bench of the same (op, shape, seed): made once a shape (the
-        production shapes' KV takes seconds to draw), the previous shape's freed."""
+    def _shared(self, cls, kernel: ir.Kernel, shape: Shape, seed: int, **kw):
+        """A bench (cls(..., **kw)) over the input sets of the last bench of the same (op, shape, seed): made once a
+        shape, the previous shape's freed."""
         key = (kernel.op, shape, seed)
         held = getattr(self, "_inputs_of", None)
-        bench = cls(kernel, shape, seed, self.device, inputs=held[1] if held and held[0] == key else None)
+        bench = cls(kernel, shape, seed, self.device, inputs=held[1] if held and held[0] == key else None, **kw)
         self._inputs_of = (key, bench.inputs)
         return bench
+
+
+# paged_attention.cuh's CONSUMER_REGS: registers a consumer thread of the Hopper prefill path may take (setmaxnreg)
+WG_CONSUMER_REGS = 240
+
+
+def wg_tiles(op, arch: str) -> list[tuple[int, int]]:
+    """The Hopper prefill tiles (K/V positions, TMA stages) worth timing for op besides the rule's: each width of
+    64, 128, 192 or 256 positions at the most stages (<= 6) whose shared memory fits a block (layout.check_fits),
+    where the template builds it for op's pages (layout.wgmma_tile_error), leaving out widths whose fp32
+    accumulators alone, O (padded width / 2 a thread) and two S tiles in flight (width / 2 each), exceed a
+    consumer's registers."""
+    from .targets.cuda import layout
+    from .targets.cuda.config import AttentionConfig
+
+    rule = layout.layout(op, AttentionConfig(), arch)
+    out = []
+    for bn in (64, 128, 192, 256):
+        if layout.wgmma_width(op.head_dim) // 2 + bn > WG_CONSUMER_REGS:
+            continue
+        for stages in range(6, 1, -1):
+            c = AttentionConfig(wg_tile=(bn, stages))
+            try:
+                layout.check_fits(op, c, arch)
+            except IRError:
+                continue
+            if (bn, stages) != (rule.bn_wg, rule.stages_wg):
+                out.append((bn, stages))
+            break
+    return out
 
 
 class CUDAEventTimed:
@@ -309,8 +415,8 @@ class CUDAAttentionBench(CUDAEventTimed):
                          config=self.kernel.config, tuned=False)
 
     def _inputs(self, shape: Shape, arrays: dict | None = None) -> dict:
-        arrays = arrays or _tensors(testing.attention_inputs(self.op, self.rng, shape.kv_lens(), shape.q_lens()))
-        out = to_device(arrays, self.device)
+        """arrays (numpy) on the device; without them, a timing input set of shape drawn there (device_inputs)."""
+        out = to_device(arrays, self.device) if arrays else device_inputs(self.op, self.rng, shape, self.device)
         out["out"] = self.torch.empty_like(out["q"])
         return out
 
@@ -377,9 +483,15 @@ class CUDAReshapeBench(CUDAEventTimed):
 # ------------------------------------------------------------------ CUDA (TVM lowering)
 class TVMCUDASpace(CUDASpace):
     """TVM's CUDA kernels: lanes a row and threads a block (the thread binding and the split of the position
-    loop over lane groups), and split-KV merged in the same launch."""
+    loop over lane groups), and split-KV merged in the same launch. kernel_dir: a folder of prebuilt libraries
+    (<symbol>_<arch>.so, bench/prebuild_tvm_cuda.sh) where a GPU machine has no TVM; a kernel not there is built
+    with TVM, or refused in one line where TVM is not installed either (lower.tvm_cuda.cuda_library)."""
 
     target = "tvm-cuda"
+
+    def __init__(self, device=0, kernel_dir=None):
+        super().__init__(device)
+        self.kernel_dir = kernel_dir
 
     def ops(self) -> tuple[str, ...]:
         return ("paged_attention",)
@@ -407,30 +519,36 @@ class TVMCUDASpace(CUDASpace):
             out.append(c)
         return ordered(default, out, f"{op.key()}|{shape}")
 
-    @staticmethod
-    def build(kernel: ir.Kernel) -> None:
-        from .lower.tvm_cuda import build_cuda_library
+    def build(self, kernel: ir.Kernel) -> None:
+        """The kernel's library: found in kernel_dir, else built with TVM (through the cache)."""
+        from .lower.tvm_cuda import cuda_library
         from .nvcc import default_arch
 
-        build_cuda_library(kernel, default_arch())
+        cuda_library(kernel, default_arch(), self.kernel_dir)
 
     def bench(self, kernel: ir.Kernel, shape: Shape, seed: int = 0):
-        return self._shared(TVMCUDAAttentionBench, kernel, shape, seed)
+        return self._shared(TVMCUDAAttentionBench, kernel, shape, seed, kernel_dir=self.kernel_dir)
 
 
 class TVMCUDAAttentionBench(CUDAAttentionBench):
     """TVM's CUDA attention kernel called directly (its own split partials; the merge is in the launch)."""
 
+    def __init__(self, kernel: ir.Kernel, shape: Shape, seed: int = 0, device=0, inputs: list | None = None,
+                 kernel_dir=None):
+        self.kernel_dir = kernel_dir
+        super().__init__(kernel, shape, seed, device, inputs)
+
     def _plan(self, shape: Shape):
-        return tvm_cuda_plan(self.kernel, shape.num_tokens, self.device)
+        return tvm_cuda_plan(self.kernel, shape.num_tokens, self.device, self.kernel_dir)
 
     def call(self, inp: dict, plan=None) -> None:
         fn, ws = plan or self.plan
         fn(**inp, **ws)
 
 
-def tvm_cuda_plan(kernel: ir.Kernel, num_tokens: int, device):
-    """(TVM's CUDA attention kernel, its workspaces for num_tokens tokens): call fn(**tensors, **workspaces)."""
+def tvm_cuda_plan(kernel: ir.Kernel, num_tokens: int, device, kernel_dir=None):
+    """(TVM's CUDA attention kernel, its workspaces for num_tokens tokens): call fn(**tensors, **workspaces).
+    kernel_dir: a folder of prebuilt TVM-CUDA libraries (tvm_cuda_kernel)."""
     import torch
 
     op, cfg = kernel.op, kernel.config
@@ -442,14 +560,17 @@ def tvm_cuda_plan(kernel: ir.Kernel, num_tokens: int, device):
         ws["split_counters"] = torch.zeros((num_tokens, op.num_kv_heads), dtype=torch.int32, device=device)
     if op.return_lse:
         ws["lse"] = torch.empty((num_tokens, op.num_q_heads), dtype=torch.float32, device=device)
-    return tvm_cuda_kernel(kernel), ws
+    return tvm_cuda_kernel(kernel, kernel_dir), ws
 
 
-def tvm_cuda_kernel(kernel: ir.Kernel):
+def tvm_cuda_kernel(kernel: ir.Kernel, kernel_dir=None):
     """An api.CudaKernel over TVM's CUDA library of kernel (the same launcher ABI as the Jinja kernels), so the
-    planner can run it. Kernels without a TVMConfig (merge_state) take the default one."""
+    planner can run it. Kernels without a TVMConfig (merge_state) take the default one. kernel_dir: a folder of
+    prebuilt libraries, <symbol>_<arch>.so (bench/prebuild_tvm_cuda.sh), for a machine without TVM; a kernel not
+    there is built with TVM, or refused in one line naming its symbol where TVM is not here
+    (lower.tvm_cuda.cuda_library)."""
     from .lower.config import TVMConfig
-    from .lower.tvm_cuda import build_cuda_library
+    from .lower.tvm_cuda import cuda_library
     from .nvcc import default_arch
     from .targets.cuda import api
     from .targets.cuda.loader import load_library
@@ -458,7 +579,7 @@ def tvm_cuda_kernel(kernel: ir.Kernel):
         sig = kernel.signature()
         kernel = ir.Kernel(kernel.op, TVMConfig(num_splits=sig.get("num_splits", 1),
                                                 fused_merge=sig.get("fused_merge", False)))
-    path = build_cuda_library(kernel, default_arch())
+    path = cuda_library(kernel, default_arch(), kernel_dir)
     return api.CudaKernel(kernel, library=load_library(path, [kernel]))
 
 
@@ -536,7 +657,11 @@ class AscendCheck:
         raise NotImplementedError("the AscendC emulator is not timed: its speed says nothing of the NPU's")
 
 
-def space(target: str, device=0):
+def space(target: str, device=0, kernel_dir=None):
+    """The space of target on a CUDA device (the cuda spaces'); kernel_dir: tvm-cuda's folder of prebuilt
+    libraries (TVMCUDASpace), for a GPU machine without TVM."""
+    if kernel_dir is not None and target != "tvm-cuda":
+        raise ValueError(f"kernel_dir is a folder of prebuilt TVM-CUDA kernels: target tvm-cuda, not {target!r}")
     if target == "ascend":
         return AscendSpace()
     if target == "cpu":
@@ -544,7 +669,7 @@ def space(target: str, device=0):
     if target == "cuda":
         return CUDASpace(device)
     if target == "tvm-cuda":
-        return TVMCUDASpace(device)
+        return TVMCUDASpace(device, kernel_dir)
     raise ValueError(f"target must be one of {SPACES}, got {target!r}")
 
 

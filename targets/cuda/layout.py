@@ -105,12 +105,49 @@ def block_smem(arch: str) -> int:
 @functools.lru_cache(maxsize=None)  # a refusal raises and is not kept
 def check_fits(op: ir.PagedAttention, config: AttentionConfig, arch: str) -> None:
     """IRError where the op's blocks need more shared memory than one block of arch may take even at one cp.async
-    stage (layout), which a launch would otherwise report as a bare CUDA error."""
-    need, limit = layout(op, config, arch).smem_bytes, block_smem(arch)
+    stage (layout), which a launch would otherwise report as a bare CUDA error, or where the Hopper prefill tile
+    does not fit the op's pages (wgmma_tile_error), which nvcc would report as a failed static_assert."""
+    lay = layout(op, config, arch)
+    need, limit = lay.smem_bytes, block_smem(arch)
     if need > limit:
-        raise IRError("paged_attention.head_dim",
+        tile = f", wgmma tile {lay.bn_wg} x {lay.stages_wg} stages" if lay.wgmma else ""
+        raise IRError("AttentionConfig.wg_tile" if config.wg_tile and lay.smem_prefill > limit else "paged_attention.head_dim",
                       f"this variant's blocks take {need / 1024:.0f} KB of shared memory; an {arch} block at most "
-                      f"{limit / 1024:.0f} KB (head_dim {op.head_dim}, {op.kv_dtype} KV, one cp.async stage)")
+                      f"{limit / 1024:.0f} KB (head_dim {op.head_dim}, {op.kv_dtype} KV, one cp.async stage{tile})")
+    err = wgmma_tile_error(op, config, lay.bn_wg, lay.stages_wg) if lay.wgmma else None
+    if err is not None:
+        raise err
+
+
+def wgmma_tile_error(op: ir.PagedAttention, config: AttentionConfig, bn: int, stages: int) -> IRError | None:
+    """The IRError (returned, not raised) where the Hopper prefill path's tile of bn K/V positions in `stages` TMA
+    stages and its producer do not fit the op's pages, as the template's static_asserts (paged_attention.cuh) say:
+    a ring of >= 2 stages; TMA boxes of min(page, bn's lowest power of two) rows that tile bn, at most 192 of them;
+    with the cp.async producer (pages under cp_producer_below, at most 8), cp_row_lanes of 2, 4 or 8 lanes dividing
+    a row's 16-byte chunks, and the lanes' box groups covering the tile exactly. None where it fits."""
+    P, DW = op.page_size, wgmma_width(op.head_dim)
+    if stages < 2:
+        return IRError("AttentionConfig.wg_tile", f"the wgmma path needs >= 2 TMA stages, got {stages}")
+    below = cp_producer_below(config)
+    if below > CP_PRODUCER_BELOW:
+        return IRError("AttentionConfig.cp_producer_below",
+                       f"must be <= {CP_PRODUCER_BELOW} (TMA boxes of fewer rows issue too slowly), got {below}")
+    pb = min(P, bn & -bn)
+    if bn % pb or bn // pb > 192:
+        return IRError("AttentionConfig.wg_tile", f"a tile of {bn} positions is {bn / pb:g} TMA boxes of {pb} rows at "
+                                                  f"page size {P} (whole boxes, at most 192)")
+    if P >= below:
+        return None
+    lanes, group_rows = cp_row_lanes(op.head_dim, config), min(32 * P, bn)
+    if lanes not in (2, 4, 8) or (DW // 8) % lanes or group_rows % (32 // lanes * 2):
+        return IRError("AttentionConfig.cp_row_lanes",
+                       f"the cp.async producer takes 2, 4 or 8 lanes a row dividing its {DW // 8} 16-byte chunks, "
+                       f"got {lanes} (page size {P})")
+    covered = -(-(bn // pb) // 32) * group_rows
+    if covered != bn:
+        return IRError("AttentionConfig.wg_tile", f"the cp.async producer's lanes cover {covered} rows of a {bn}-position "
+                                                  f"tile at page size {P}")
+    return None
 
 
 HOPPER_ARCHS = ("sm_90", "sm_90a")
@@ -208,11 +245,24 @@ def layout_at(op: ir.PagedAttention, config: AttentionConfig, arch: str, stage_c
     # Q rows, + 1 KB to align them; one 12-warp block a SM, whose decode items run as two 4-warp
     # groups, each with the mma.sync path's smem
     DW = wgmma_width(D)
-    bn_wg, stages_wg = config.wg_tile or WG_TILE[DW]
+    bn_wg, stages_wg = config.wg_tile or rule_wg_tile(op, config)
     smem_prefill = stages_wg * 2 * bn_wg * DW * 2 + 2 * 64 * DW * 2 + 1024  # K + V stages, Q of 2 x 64 rows, alignment
     groups = warps // WARPS
     return Layout(bn_prefill, mt_prefill, kv_rows, stages, max(groups * smem, smem_prefill), min_blocks=1, warps=warps,
                   wgmma=True, bn_wg=bn_wg, stages_wg=stages_wg, smem_prefill=smem_prefill, sm_smem=smem_per_sm(arch))
+
+
+def rule_wg_tile(op: ir.PagedAttention, config: AttentionConfig) -> tuple[int, int]:
+    """The built-in Hopper prefill tile (K/V positions, TMA stages): WG_TILE by the padded width; where the op's
+    pages do not tile it (D 64's 192 positions at pages of 4, copied by cp.async: wgmma_tile_error), the widest
+    power-of-two tile below it that they do, with as many more stages as keep its shared memory."""
+    bn, stages = WG_TILE[wgmma_width(op.head_dim)]
+    if wgmma_tile_error(op, config, bn, stages) is None:
+        return bn, stages
+    for b in (128, 64):
+        if b < bn and wgmma_tile_error(op, config, b, min(6, stages * bn // b)) is None:
+            return b, min(6, stages * bn // b)
+    return bn, stages  # check_fits names what is wrong
 
 
 def dynamic_prefill(op: ir.PagedAttention, config: AttentionConfig, arch: str = "sm_90") -> bool:

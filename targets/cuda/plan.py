@@ -262,15 +262,21 @@ def plan(op: ir.PagedAttention, num_tokens: int, num_seqs: int, max_kv_len: int,
         buffers["split_counters"] = ws.counters(num_tokens, op.num_kv_heads)
     if config.item_queue:
         buffers["item_queue"] = ws.item_queue()
-    merge = None
-    if S > 1 and not config.fused_merge:
-        merge = kernel_of(ir.Kernel(ir.MergeState(num_heads=op.num_q_heads, head_dim=op.head_dim, num_splits=S,
-                                                  out_dtype=op.q_dtype, return_lse=op.return_lse)))
-    # partials merged by merge_state: the split kernel writes no lse of its own (merge_state does)
-    run_op = op.replace(return_lse=False) if merge is not None else op
-    kernel = kernel_of(ir.Kernel(run_op, config))
-    return Plan(op, config, kernel, merge, num_tokens, num_seqs, index, buffers)
+    kernel, merge = launched_kernels(op, config)
+    merge = kernel_of(merge) if merge is not None else None
+    return Plan(op, config, kernel_of(kernel), merge, num_tokens, num_seqs, index, buffers)
+
+
+def launched_kernels(op: ir.PagedAttention, config: AttentionConfig) -> tuple[ir.Kernel, ir.Kernel | None]:
+    """(the attention kernel, the merge_state kernel or None) that a plan of config launches: split partials not
+    merged in the launch are merged by merge_state, and then the split kernel writes no lse of its own."""
+    S = config.num_splits
+    if S == 1 or config.fused_merge:
+        return ir.Kernel(op, config), None
+    merge = ir.Kernel(ir.MergeState(num_heads=op.num_q_heads, head_dim=op.head_dim, num_splits=S,
+                                    out_dtype=op.q_dtype, return_lse=op.return_lse))
+    return ir.Kernel(op.replace(return_lse=False), config), merge
 
 
 __all__ = ["MIN_SPLIT_LEN", "MAX_SPLITS", "choose_splits", "choose_config", "tuned_config", "reachable_configs", "device_arch", "device_sms", "Workspace",
-           "Plan", "plan"]
+           "Plan", "plan", "launched_kernels"]

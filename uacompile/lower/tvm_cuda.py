@@ -10,6 +10,7 @@ the source; a cache hit runs neither TVM nor an nvcc compile.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -185,10 +186,35 @@ def build_cuda_library(op: OpSpec, arch: str = "sm_90", out_dir: str | Path | No
         return folder / "kernel.so"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{op.symbol()}_{arch}"
-    shutil.copyfile(folder / "kernel.cu", out / f"{stem}.cu")
-    shutil.copyfile(folder / "kernel.so", out / f"{stem}.so")
-    return out / f"{stem}.so"
+    so = out / prebuilt_name(op, arch)
+    shutil.copyfile(folder / "kernel.cu", so.with_suffix(".cu"))
+    shutil.copyfile(folder / "kernel.so", so)
+    return so
 
 
-__all__ = ["cuda_source", "build_cuda_library", "cuda_cache_key", "launcher_source", "cuda_target"]
+def prebuilt_name(kernel, arch: str) -> str:
+    """A kernel's library in a folder of prebuilt ones (build_cuda_library's out_dir): <symbol>_<arch>.so."""
+    return f"{as_kernel(kernel).symbol()}_{arch}.so"
+
+
+def cuda_library(kernel, arch: str = "sm_90", kernel_dir: str | Path | None = None) -> Path:
+    """The shared library of kernel: <symbol>_<arch>.so in kernel_dir (a folder of prebuilt libraries, made where
+    TVM is: bench/prebuild_tvm_cuda.sh) where it is there, else built here (build_cuda_library, through the
+    cache). FileNotFoundError, one line naming the symbol, where it is not in kernel_dir and TVM is not here."""
+    kernel = as_kernel(kernel)
+    if kernel_dir is not None:
+        path = Path(kernel_dir) / prebuilt_name(kernel, arch)
+        if path.is_file():
+            return path
+        if importlib.util.find_spec("tvm") is None:
+            raise FileNotFoundError(f"TVM-CUDA kernel {kernel.symbol()} ({kernel.kind}) is not in {kernel_dir} (no "
+                                    f"{path.name}) and TVM is not installed here to build it: prebuild it where TVM is "
+                                    "(bench/prebuild_tvm_cuda.sh) and carry the folder")
+    elif importlib.util.find_spec("tvm") is None:
+        raise FileNotFoundError(f"TVM-CUDA kernel {kernel.symbol()} ({kernel.kind}) needs TVM to build, which is not "
+                                "installed here: pass a folder of prebuilt kernels (bench/prebuild_tvm_cuda.sh)")
+    return build_cuda_library(kernel, arch)
+
+
+__all__ = ["cuda_source", "build_cuda_library", "cuda_library", "prebuilt_name", "cuda_cache_key", "launcher_source",
+           "cuda_target"]
