@@ -375,7 +375,7 @@ def target_checks(rows: list[dict]) -> list[dict]:
         return ", ".join(f"{i} {v:.0f}" for i, v in found)
 
     for r in rows:
-        if r["op"] == "decode" and r["impl"].startswith("ua") and r["impl"].endswith("(auto)"):
+        if r["op"] == "decode" and r["impl"].startswith("ua splits=") and r["impl"].endswith("(auto)"):
             add("decode GB/s >= 3800", r["shape"], r["gbps"], DECODE_TARGET_GBPS,
                 peers=peers_of("decode", r["shape"], "gbps", ["FlashInfer tensor-core", "FlashInfer CUDA-core",
                                                                "torch SDPA contiguous"]))
