@@ -171,6 +171,29 @@ def test_cuda_engine_prepares_every_kernel_before_serving(checkpoints, monkeypat
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
 
 
+def test_cuda_second_start_loads_every_kernel_from_the_cache_in_under_a_second(checkpoints, caplog, monkeypatch):
+    """The first engine builds (or loads) every kernel its limits reach; a second one on the same model runs no
+    nvcc and has them all ready in under a second."""
+    import logging
+    import re
+
+    from uacompile import nvcc
+
+    _, path = checkpoints["qwen3"]
+    kw = dict(device="cuda", page_size=16, num_pages=64, max_model_len=512, max_num_seqs=8, cuda_graphs=False)
+    LLM(str(path), **kw)
+
+    def no_nvcc(*a, **k):
+        raise AssertionError("nvcc ran on a second start")
+
+    monkeypatch.setattr(nvcc, "compile_library", no_nvcc)
+    with caplog.at_level(logging.INFO, logger="uacompile.runtime"):
+        LLM(str(path), **kw)
+    m = re.search(r"kernels ready in ([\d.]+) s \(cuda backend; (\d+) prepared", caplog.text)
+    assert m, caplog.text
+    assert float(m.group(1)) < 1.0 and int(m.group(2)) > 10, m.group(0)
+
+
 def test_cuda_default_kv_pool_is_sized_from_the_profile(checkpoints):
     """Without num_pages the pool takes gpu_memory_utilization of the device less the weights and the largest
     step's activations (runtime/memory.py); an impossible fraction is a clear error."""
