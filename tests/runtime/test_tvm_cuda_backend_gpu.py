@@ -6,6 +6,7 @@ decode graphs on and off, and under swap preemption.
 The folder: built here when TVM and nvcc are present, else $UA_TVM_CUDA_KERNELS (the GPU machine has no TVM:
 bench/prebuild_tvm_cuda.sh builds it into .carry/tvm-cuda elsewhere)."""
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -111,3 +112,31 @@ def test_the_backends_attention_matches_the_reference_eager_and_replayed_from_a_
     torch.cuda.synchronize()
     want2, _ = reference.paged_attention(op, **{**{k: v for k, v in inp.items() if isinstance(v, np.ndarray)}, "q": q2})
     np.testing.assert_allclose(out.cpu().numpy(), want2, atol=tol, rtol=0)
+
+
+def test_the_server_on_cuda_answers_with_the_cpu_greedy_text(stories, kernel_dir, cpu_tokens):
+    """`uacompile serve --device cuda`'s app (FastAPI + uvicorn) over a CUDA engine: a whole completion and a
+    streamed one carry the CPU run's greedy text; /health and /metrics answer."""
+    import httpx
+    from server_helpers import running_server
+
+    from uacompile.runtime.engine import Engine, EngineConfig
+
+    cpu = LLM(stories, device="cpu", kernel_backend="reference").generate(PROMPTS, PARAMS)
+    texts = [o.outputs[0].text for o in cpu]
+    assert [o.outputs[0].token_ids for o in cpu] == cpu_tokens
+    engine = Engine(stories, EngineConfig(device="cuda", kernel_dir=kernel_dir))
+    assert engine.async_scheduling and engine.kernels.name == "tvm-cuda"
+    body = {"max_tokens": PARAMS.max_tokens, "temperature": 0, "ignore_eos": True}
+    with running_server(engine) as (url, _):
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+        whole = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[0], **body}, timeout=120).json()
+        assert whole["choices"][0]["text"] == texts[0] and whole["usage"]["completion_tokens"] == 32
+        streamed = []
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": PROMPTS[1], "stream": True, **body},
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    streamed += [c["text"] for c in json.loads(line[6:])["choices"]]
+        assert "".join(streamed) == texts[1]
+        assert "vllm:generation_tokens_total" in httpx.get(url + "/metrics").text
