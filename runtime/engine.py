@@ -319,10 +319,10 @@ class Engine:
     def abort(self, request_id: int) -> None:
         req = self.requests.get(request_id)
         for seq in req.seqs if req else []:
+            if seq.num_output_tokens and seq.token_ids[-1] < 0:  # its in-flight sample is dropped
+                seq.token_ids.pop()
             if not seq.is_finished:
                 self.scheduler.abort(seq.seq_id)
-                if seq.num_output_tokens and seq.token_ids[-1] < 0:  # its in-flight sample is dropped
-                    seq.token_ids.pop()
                 self._finalize(seq)
         if req is not None:
             self.tracer.instant("abort", "request", request_id=request_id)
@@ -393,7 +393,7 @@ class Engine:
             sampled = f.pending.result()
         seqs = []
         for seq, pos in zip(f.seqs, f.positions):
-            if pos < seq.num_tokens and seq.token_ids[pos] < 0:  # not aborted since
+            if pos < seq.num_tokens and seq.token_ids[pos] < 0 and seq.seq_id in self._seq_request:  # not aborted
                 seq.token_ids[pos] = sampled.tokens[seq.seq_id]
                 seqs.append(seq)
         return self._collect(seqs, sampled)

@@ -120,6 +120,24 @@ def test_abort_with_a_step_in_flight_drops_its_sample_and_frees_the_pages():
     assert kv.num_free_pages == kv.num_pages and not any(kv.ref_count)
 
 
+def test_a_request_that_finished_in_flight_can_be_aborted_and_released():
+    """A request whose last token is still on its way (finished by max_tokens when its step was counted): abort and
+    release it before the engine reads that step; the engine goes on with the others."""
+    llm = LLM(STORIES260K, cpu_threads=1, async_scheduling=True)
+    eng = llm.engine
+    short = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2))
+    other = eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while not all(s.is_finished for s in eng.requests[short].seqs):
+        eng.step()
+    assert eng._inflight is not None and eng.requests[short].seqs[0].token_ids[-1] < 0  # noqa: SLF001
+    eng.abort(short)
+    eng.release(short)
+    done = []
+    while eng.has_unfinished():
+        done += eng.step()
+    assert [o.request_id for o in done] == [other] and len(done[0].outputs[0].token_ids) == 8
+
+
 def test_fill_pending_reads_coded_ids_from_the_in_flight_samples():
     ids = torch.tensor([5, -1, 7, -3, -2])
     fill_pending(ids, torch.tensor([40, 41, 42]))
