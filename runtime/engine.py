@@ -399,7 +399,7 @@ class Engine:
         return self._collect(seqs, sampled)
 
     def _collect(self, seqs: list[Sequence], sampled) -> StepOutput:
-        out = StepOutput()
+        out, done = StepOutput(), {}
         for seq in seqs:
             reason = None if seq.is_finished else self._stop_reason(seq)
             if reason is not None:
@@ -411,8 +411,10 @@ class Engine:
             out.deltas.append(Delta(req.request_id, index, [sampled.tokens[seq.seq_id]], [lp] if lp else [],
                                     seq.finish_reason if seq.is_finished else None))
             if seq.is_finished and all(s.is_finished for s in req.seqs):
-                out.finished.append(self.output(req.request_id))
-                self.tracer.instant("finish", "request", request_id=req.request_id)
+                done[req.request_id] = None  # once, after every sample of it this step is final
+        for rid in done:
+            out.finished.append(self.output(rid))
+            self.tracer.instant("finish", "request", request_id=rid)
         return out
 
     def _trace_kv(self, batch, num_preempted: int) -> None:

@@ -157,3 +157,15 @@ def test_staging_alternates_two_sets_of_buffers():
 def test_async_scheduling_option_is_checked():
     with pytest.raises(ValueError, match="async_scheduling must be a bool or None"):
         LLM(STORIES260K, async_scheduling="yes")
+
+
+def test_samples_finishing_in_the_same_step_report_their_request_once_with_every_text():
+    for on in (False, True):
+        llm = LLM(STORIES260K, cpu_threads=1, async_scheduling=on)
+        eng = llm.engine
+        rid = eng.add_request(PROMPTS[0], SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=6, ignore_eos=True))
+        done = []
+        while eng.has_unfinished():
+            done += eng.step()
+        assert [o.request_id for o in done] == [rid]
+        assert all(c.text and len(c.token_ids) == 6 for c in done[0].outputs)
