@@ -516,6 +516,8 @@ class TVMCUDASpace(CUDASpace):
         for c in product(self.axes(op, shape), default):
             if c.num_splits > 1 and not c.fused_merge:
                 continue  # the TVM kernels merge in the same launch only when fused
+            if c.lanes and c.lanes == default.row_lanes(op.head_dim):
+                continue  # the rule's own lanes (lanes=0): the same kernel under another name
             try:
                 c.check(op)
             except IRError:

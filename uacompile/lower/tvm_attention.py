@@ -8,6 +8,9 @@ reference.split_ranges. They differ in how work is spread:
   vectorise over D (dot_lanes partial sums for q.k, acc_vec lanes for the V accumulation).
 - cuda: one block per (token, q head, split); TX = `lanes` lanes share a row of D (warp-shuffle
   dot product), NY = threads / TX lane groups take interleaved positions, then merge through shared memory.
+  With `heads` > 1 a block serves that many q heads of one KV head (threadIdx.z, NY = threads / (TX * heads)):
+  each iteration the block copies the K/V rows of its NY positions into shared memory once and every head reads
+  them there. `vec` > 1 moves a lane's q / K / V elements `vec` at a time (vector loads).
 unified_masked scans every page-table entry of every sequence (skipping -1) and masks out
 cells of other sequences and positions outside the token's range: llama.cpp's cost model.
 """
