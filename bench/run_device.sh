@@ -8,8 +8,9 @@
 #   UA_SKIP_TESTS=1 UA_BENCH_SCRIPT='bench/serving_gpu.py --out $OUT' bash bench/run_device.sh   # the serving table
 #   UA_GPU_TESTS="tests/test_tune.py tests/targets/cuda/test_cuda_plan_tuned.py" UA_BENCH_SCRIPT='bench/tune_device.py --out $OUT --only production' bash bench/run_device.sh   # uacompile tune's table
 #   UA_SKIP_TESTS=1 UA_BENCH_SCRIPT='bench/tune_device.py --out $OUT --only variants --trials 8' bash bench/run_device.sh
-#   UA_SKIP_TESTS=1 UA_BENCH_SCRIPT='bench/tune_device.py --out $OUT --only tvm-cuda --trials 12 --tvm-cuda-dir .carry/tvm-cuda/tune; python3 bench/kernels.py --out $OUT --only tvm-cuda --tvm-cuda-dir .carry/tvm-cuda/tune' bash bench/run_device.sh
-#     (TVM's kernels from bench/prebuild_tvm_cuda.sh --tune 12, carried in .carry/tvm-cuda: the device has no TVM)
+#   UA_GPU_TESTS="tests/lower/test_tvm_cuda.py" UA_BENCH_SCRIPT='bench/tune_device.py --out $OUT --only tvm-cuda --trials 16 --tvm-cuda-dir .carry/tvm-cuda/tune; python3 bench/kernels.py --out $OUT --only tvm-cuda --tvm-cuda-dir .carry/tvm-cuda/tune' bash bench/run_device.sh
+#     (TVM's kernels from bench/prebuild_tvm_cuda.sh --tune 16, carried in .carry/tvm-cuda: the device has no TVM; 16
+#     trials try every one-knob change of TVMConfig's CUDA knobs at each tvm-cuda shape)
 # Installs the carried wheels (cffi, pycparser, ...) and the package, runs `pytest -m gpu`, then bench/kernels.py; logs, JSON and table go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -69,7 +69,8 @@ def _rows_of(kind: str, B: int, L: int, gen, kernel_dir=None) -> list[dict]:
             diff = (b0.out.float() - want).abs().max().item()
             cfg = configs[name]
             r["note"] = (f"{ms / base:.2f}x the Jinja kernel's time; max abs diff vs Jinja {diff:.3g}; "
-                         f"lanes={cfg.row_lanes(op.head_dim)} threads={cfg.threads} splits={cfg.num_splits}")
+                         f"lanes={cfg.row_lanes(op.head_dim)} threads={cfg.threads} splits={cfg.num_splits} "
+                         f"vec={cfg.vec} heads={cfg.heads}")
         rows.append(r)
     del batches, b0
     torch.cuda.empty_cache()

@@ -6,6 +6,7 @@ is not here. The CPU tuner and the TVM spaces' use by tune() are tests/test_tune
 import importlib.util
 import shutil
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,25 @@ def test_ordered_is_seeded_and_default_first():
           TVMConfig(num_splits=4, fused_merge=True)]
     a, b = ordered(d, cs, "seed"), ordered(d, list(reversed(cs)), "seed")
     assert a == b and a[0] == d and a[-1] == TVMConfig(lanes=4, threads=256)
+
+
+def test_tvm_cuda_space_searches_vector_loads_and_heads_a_block():
+    """vec (elements a load) and heads (q heads a block, staged K/V) join lanes, threads and fused splits: every
+    candidate passes TVMConfig.check, the default first, and 16 trials try every one-knob change (the new knobs'
+    included) at a decode and a prefill shape of Llama-3-8B's attention."""
+    s = space("tvm-cuda")
+    for shape in (Shape.parse("decode:8x16384"), Shape.parse("prefill:1x4096")):
+        cands = s.candidates(BASE, shape)
+        assert cands[0] == TVMConfig() and len(cands) == len(set(cands))
+        for c in cands:
+            c.check(BASE)
+            assert c.num_splits == 1 or c.fused_merge
+        one = [c for c in cands if changes(c, asdict(TVMConfig())) == 1]
+        assert {c.vec for c in one} == {1, 2, 4} and {c.heads for c in one} == {1, 2, 4}  # 4 lanes of D 128: vec <= 4
+        assert set(one) <= set(trial_configs(s, BASE, shape, 16))
+        assert any(c.vec == 8 and c.lanes == 16 for c in cands)
+        assert any(c.heads == 4 and c.threads == 512 for c in cands)
+    assert {c.heads for c in s.candidates(ir.PagedAttention(32, 32, 128, 16, "bf16", "bf16"), DECODE)} == {1}
 
 
 # ---------------------------------------------------------------- tvm-cuda from a folder of prebuilt libraries

@@ -219,7 +219,10 @@ class Kernel:
         return [p for p in self.params() if p.is_scalar]
 
     def to_dict(self) -> dict:
-        cfg = None if self.config is None else {"config": type(self.config).__name__, **asdict(self.config)}
+        if self.config is None:
+            return {"op": self.op.to_dict(), "config": None}
+        fields = self.config.to_dict() if hasattr(self.config, "to_dict") else asdict(self.config)
+        cfg = {"config": type(self.config).__name__, **fields}
         return {"op": self.op.to_dict(), "config": cfg}
 
     def key(self) -> str:

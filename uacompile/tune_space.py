@@ -9,8 +9,9 @@ kind (raises on a mismatch), `sample(calls)` returns seconds per call. Spaces:
   cuda      AttentionConfig and ReshapeConfig, on the Jinja kernels, by the shape's kind: decode the split count,
             fused merge and decode-only; prefill the Hopper path's wgmma tile and stages, item queue, Q prefetch and
             (small pages) the cp.async producer's lanes a row or TMA instead; CUDA events
-  tvm-cuda  TVMConfig's CUDA knobs (lanes a row, threads a block, splits) on TVM's CUDA source; CUDA events; the
-            libraries from a folder of prebuilt ones (kernel_dir) where the GPU machine has no TVM
+  tvm-cuda  TVMConfig's CUDA knobs (lanes a row, threads a block, splits, vector loads, q heads sharing shared-memory
+            K/V tiles) on TVM's CUDA source; CUDA events; the libraries from a folder of prebuilt ones (kernel_dir)
+            where the GPU machine has no TVM
   ascend    AscendConfig's tile and blockDim cap on the CPU emulator: checked against the reference, never timed
 
 A config field added to a target joins the search by an entry in that space's axes(): field -> the values to try.
@@ -483,9 +484,11 @@ class CUDAReshapeBench(CUDAEventTimed):
 # ------------------------------------------------------------------ CUDA (TVM lowering)
 class TVMCUDASpace(CUDASpace):
     """TVM's CUDA kernels: lanes a row and threads a block (the thread binding and the split of the position
-    loop over lane groups), and split-KV merged in the same launch. kernel_dir: a folder of prebuilt libraries
-    (<symbol>_<arch>.so, bench/prebuild_tvm_cuda.sh) where a GPU machine has no TVM; a kernel not there is built
-    with TVM, or refused in one line where TVM is not installed either (lower.tvm_cuda.cuda_library)."""
+    loop over lane groups), split-KV merged in the same launch, vector loads (vec elements a load) and q heads a
+    block sharing K/V tiles staged in shared memory (heads); combinations TVMConfig.check refuses are left out.
+    kernel_dir: a folder of prebuilt libraries (<symbol>_<arch>.so, bench/prebuild_tvm_cuda.sh) where a GPU machine
+    has no TVM; a kernel not there is built with TVM, or refused in one line where TVM is not installed either
+    (lower.tvm_cuda.cuda_library)."""
 
     target = "tvm-cuda"
 
@@ -504,7 +507,8 @@ class TVMCUDASpace(CUDASpace):
     def axes(self, op, shape: Shape) -> dict:
         splits = [s for s in (1, 2, 4, 8, 16) if s == 1 or shape.max_kv_len >= 256 * s]
         return {"lanes": [v for v in (0, 4, 8, 16, 32) if v == 0 or op.head_dim % v == 0],
-                "threads": (64, 128, 256, 512), "num_splits": splits, "fused_merge": (False, True)}
+                "threads": (64, 128, 256, 512), "num_splits": splits, "fused_merge": (False, True),
+                "vec": (1, 2, 4, 8, 16), "heads": [h for h in (1, 2, 4, 8) if op.group_size % h == 0]}
 
     def candidates(self, op, shape: Shape) -> list:
         default = self.default(op, shape)
@@ -512,6 +516,8 @@ class TVMCUDASpace(CUDASpace):
         for c in product(self.axes(op, shape), default):
             if c.num_splits > 1 and not c.fused_merge:
                 continue  # the TVM kernels merge in the same launch only when fused
+            if c.lanes and c.lanes == default.row_lanes(op.head_dim):
+                continue  # the rule's own lanes (lanes=0): the same kernel under another name
             try:
                 c.check(op)
             except IRError:

@@ -32,6 +32,22 @@ VARIANTS = {
                                    TVMConfig(num_splits=3, fused_merge=True)),
     "attn-unified-d8": PagedAttention(4, 4, 8, page_size=4, q_dtype="fp32", kv_dtype="fp32",
                                       variant="unified_masked", return_lse=True),
+    # the vector-load (vec) and shared-memory GQA (heads) knobs, over the features they touch
+    "attn-bf16-gqa4-vec8": Kernel(PagedAttention(32, 8, 128, page_size=16, q_dtype="bf16", kv_dtype="bf16"),
+                                  TVMConfig(lanes=16, vec=8)),
+    "attn-bf16-gqa4-heads4-vec4": Kernel(PagedAttention(32, 8, 128, page_size=16, q_dtype="bf16", kv_dtype="bf16"),
+                                         TVMConfig(heads=4, vec=4, threads=256)),
+    "attn-fp16-heads2-scalar": Kernel(PagedAttention(8, 4, 128, q_dtype="fp16", kv_dtype="fp16", window=50),
+                                      TVMConfig(heads=2)),
+    "attn-fp8-heads2-vec16": Kernel(PagedAttention(8, 2, 128, page_size=8, q_dtype="bf16", kv_dtype="fp8_e4m3",
+                                                   softcap=30.0, alibi=True),
+                                    TVMConfig(heads=2, lanes=8, vec=16)),
+    "attn-int8-heads4-fused-lse": Kernel(PagedAttention(8, 2, 64, kv_dtype="int8", window=32, softcap=30.0,
+                                                        alibi=True, return_lse=True),
+                                         TVMConfig(heads=4, lanes=8, vec=8, num_splits=3, fused_merge=True)),
+    "attn-unified-heads2-vec4": Kernel(PagedAttention(4, 2, 32, page_size=4, q_dtype="fp32", kv_dtype="fp32",
+                                                      variant="unified_masked", return_lse=True),
+                                       TVMConfig(heads=2, lanes=8, vec=4, threads=64)),
     "cache-fp16-rope": ReshapeAndCache(8, 128, dtype="fp16", kv_dtype="fp16", rope=True),
     "cache-bf16-fp8": ReshapeAndCache(2, 64, page_size=8, dtype="bf16", kv_dtype="fp8_e4m3"),
     "cache-fp16-int8-gptj": ReshapeAndCache(2, 32, dtype="fp16", kv_dtype="int8", rope=True, rope_interleaved=True),
@@ -59,6 +75,26 @@ def test_cuda_library_builds(name, arch, tmp_path):
     assert f'extern "C" {c_signature(op)}' in src  # the launcher ABI, exactly
     syms = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True).stdout
     assert re.search(rf"\bT {op.symbol()}$", syms, re.M), f"{op.symbol()} not exported"
+
+
+def test_cuda_source_vector_loads_and_staging():
+    """vec > 1 moves a lane's q / K / V elements in 8- and 16-byte loads (scalar ones at vec 1); heads > 1 stages
+    K/V tiles in shared memory for threadIdx.z's heads, over Hq // heads blocks a token."""
+    pytest.importorskip("tvm")
+    from uacompile.lower.tvm_cuda import cuda_source
+
+    op = PagedAttention(32, 8, 128, page_size=16, q_dtype="bf16", kv_dtype="bf16")
+    vector = re.compile(r"\*\((?:uint4|uint2|nv_bfloat164|int2|float4|half2)\*\)\((?:k|v)_cache_ptr")
+    default = cuda_source(Kernel(op, TVMConfig()))
+    assert not vector.search(default) and "threadIdx.z" not in default and "__shared__" in default
+    assert re.search(r"\*\(uint4\*\)\(k_cache_ptr", cuda_source(VARIANTS["attn-bf16-gqa4-vec8"]))
+    assert re.search(r"\*\(uint4\*\)\(v_cache_ptr", cuda_source(VARIANTS["attn-bf16-gqa4-vec8"]))
+    src = cuda_source(VARIANTS["attn-bf16-gqa4-heads4-vec4"])
+    assert re.search(r"\*\(nv_bfloat164\*\)\(sk_ptr[^=]*= \*\(nv_bfloat164\*\)\(k_cache_ptr", src)  # staged
+    assert re.search(r"\*\(nv_bfloat164\*\)\(q_ptr", src)
+    assert "threadIdx.z" in src and "__syncthreads" in src
+    # grid (tokens, Hq / heads, splits), block (lanes, lane groups, heads)
+    assert "{((int64_t)num_tokens), 8LL, 1LL}" in src and "(unsigned)32LL, (unsigned)2LL, (unsigned)4LL" in src
 
 
 def test_cuda_build_is_cached(tmp_path):

@@ -92,3 +92,39 @@ def test_bad_knobs_are_refused():
     with pytest.raises(IRError, match="must divide head_dim"):
         cpu_kernel(Kernel(BASE.replace(head_dim=24), TVMConfig(dot_lanes=16)))
     assert TVMConfig(grain=4).signature() == {}  # schedule knobs change no parameters
+
+
+def test_cuda_vec_and_heads_checked_against_the_op():
+    gqa = PagedAttention(32, 8, 128, page_size=16, q_dtype="bf16", kv_dtype="bf16")
+    for cfg in (TVMConfig(vec=4), TVMConfig(lanes=16, vec=8), TVMConfig(heads=2), TVMConfig(heads=4, threads=512),
+                TVMConfig(lanes=8, vec=16, heads=4)):
+        cfg.check(gqa.replace(kv_dtype="fp8_e4m3") if cfg.vec == 16 else gqa)
+    for cfg, msg in ((TVMConfig(vec=8), "TVMConfig.vec.*must divide the 4 elements a lane owns"),
+                     (TVMConfig(lanes=4, vec=16), "TVMConfig.vec.*at most 16 bytes"),
+                     (TVMConfig(heads=8, threads=512), "TVMConfig.heads.*must divide the group size 4"),
+                     (TVMConfig(heads=4, threads=64), "TVMConfig.threads.*lanes 32 x heads 4"),
+                     (TVMConfig(lanes=4, threads=512), "shared memory")):
+        with pytest.raises(IRError, match=msg):
+            cfg.check(gqa)
+    with pytest.raises(IRError, match="TVMConfig.heads.*paged_attention knob"):
+        TVMConfig(heads=2).check(ReshapeAndCache(8, 128))
+    for bad in (dict(vec=3), dict(vec=0), dict(heads=0)):
+        with pytest.raises(IRError, match=f"TVMConfig.{next(iter(bad))}"):
+            TVMConfig(**bad)
+
+
+def test_cuda_vec_and_heads_at_1_keep_the_kernel_key():
+    """vec and heads at 1 (today's kernel) stay out of the key, so earlier kernels keep their symbols."""
+    k = Kernel(BASE, TVMConfig(num_splits=2, fused_merge=True))
+    assert "vec" not in k.to_dict()["config"] and "heads" not in k.to_dict()["config"]
+    assert k.key() == "0d5fbcf9f58e" and Kernel(BASE, TVMConfig()).key() == "ec74327252cc"  # keys without the knobs
+    assert len({k.key(), Kernel(BASE, TVMConfig(num_splits=2, fused_merge=True, vec=2)).key(),
+                Kernel(BASE, TVMConfig(num_splits=2, fused_merge=True, heads=2)).key()}) == 3
+
+
+def test_cuda_heads_sets_the_launch_shape():
+    from uacompile.lower.tvm_cuda import cuda_source
+
+    src = cuda_source(Kernel(BASE, TVMConfig(heads=4, threads=256, lanes=16)), "sm_90")
+    assert "{((int64_t)num_tokens), 2LL, 1LL}" in src  # Hq 8 / 4 heads a block
+    assert "dim3((unsigned)16LL, (unsigned)4LL, (unsigned)4LL)" in src  # 16 lanes, 4 lane groups, 4 heads

@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from ..errors import IRError
-from ..ir import check_splits
+from ..ir import DTYPES, check_splits
 
 # the schedule knobs and the values each may take (0: the generator's built-in rule)
 POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+SHARED_BYTES = 49152  # static shared memory a CUDA block may hold (lower.tvm_cuda.cuda_target's limit)
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,15 @@ class TVMConfig:
       unroll_dot: unroll the dot product's loop over head_dim.
     CUDA schedule (TVM's CUDA source):
       lanes: threads sharing one row of head_dim, a power of two (0: the most <= 32 dividing head_dim);
-      threads: threads a block; threads // lanes lane groups take interleaved KV positions.
+      threads: threads a block; threads // (lanes * heads) lane groups a q head take interleaved KV positions;
+      vec: elements of a q / K / V row one load moves (1: scalar loads; a power of two dividing the elements a lane
+        owns, head_dim // lanes, and at most 16 bytes of K/V), so nvcc emits 2- to 16-byte vector loads. Vector
+        loads need q, k_cache and v_cache data pointers aligned to vec elements (torch's allocations are);
+      heads: q heads of one KV head's group a block serves (1: one block a q head; a divisor of group_size). With
+        heads > 1 the block stages each tile of K/V rows (the positions its lane groups take an iteration) in shared
+        memory once and its heads (threadIdx.z) all compute from it, so a block reads each K/V row once for `heads`
+        q heads.
+    vec and heads at 1 are today's kernel: to_dict() leaves them out there, so those kernels keep their keys.
     """
 
     num_splits: int = 1
@@ -44,6 +53,8 @@ class TVMConfig:
     unroll_dot: bool = False
     lanes: int = 0
     threads: int = 128
+    vec: int = 1
+    heads: int = 1
 
     def __post_init__(self):
         check_splits(self.num_splits, self.fused_merge, "TVMConfig")
@@ -51,11 +62,11 @@ class TVMConfig:
             if not isinstance(getattr(self, name), bool):
                 raise IRError(f"TVMConfig.{name}", f"must be a bool, got {getattr(self, name)!r}")
         for name, lo in (("grain", 1), ("dot_lanes", 0), ("acc_vec", 0), ("page_group", 1), ("lanes", 0),
-                         ("threads", 32)):
+                         ("threads", 32), ("vec", 1), ("heads", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise IRError(f"TVMConfig.{name}", f"must be an int >= {lo}, got {v!r}")
-        for name in ("dot_lanes", "acc_vec", "lanes", "threads"):
+        for name in ("dot_lanes", "acc_vec", "lanes", "threads", "vec"):
             v = getattr(self, name)
             if v and v not in POW2:
                 raise IRError(f"TVMConfig.{name}", f"must be 0 or a power of two, got {v}")
@@ -73,8 +84,42 @@ class TVMConfig:
             v = getattr(self, name)
             if v and D % v:
                 raise IRError(f"TVMConfig.{name}", f"must divide head_dim {D}, got {v}")
-        if self.threads < self.row_lanes(D):
-            raise IRError("TVMConfig.threads", f"must be >= lanes {self.row_lanes(D)}, got {self.threads}")
+        TX = self.row_lanes(D)
+        if op.kind != "paged_attention":
+            for name in ("vec", "heads"):
+                if getattr(self, name) != 1:
+                    raise IRError(f"TVMConfig.{name}", f"is a paged_attention knob, must be 1 for {op.kind}")
+            if self.threads < TX:
+                raise IRError("TVMConfig.threads", f"must be >= lanes {TX}, got {self.threads}")
+            return
+        if self.threads < TX * self.heads:
+            raise IRError("TVMConfig.threads", f"must be >= lanes {TX} x heads {self.heads}, got {self.threads}")
+        if self.vec > 1:
+            kv_bytes = DTYPES[op.kv_dtype].itemsize
+            if (D // TX) % self.vec:
+                raise IRError("TVMConfig.vec", f"must divide the {D // TX} elements a lane owns (head_dim {D} / "
+                                               f"lanes {TX}), got {self.vec}")
+            if self.vec * kv_bytes > 16:
+                raise IRError("TVMConfig.vec", f"must load at most 16 bytes of {op.kv_dtype} K/V "
+                                               f"(<= {16 // kv_bytes} elements), got {self.vec}")
+        if self.heads > 1:
+            G = op.group_size
+            if G % self.heads:
+                raise IRError("TVMConfig.heads", f"must divide the group size {G} (q heads a KV head), "
+                                                 f"got {self.heads}")
+        smem = self.shared_bytes(op)
+        if smem > SHARED_BYTES:
+            raise IRError("TVMConfig", f"lanes {TX}, threads {self.threads}, heads {self.heads} need {smem} bytes "
+                                       f"of shared memory a block, over {SHARED_BYTES}")
+
+    def shared_bytes(self, op) -> int:
+        """Shared memory of one CUDA attention block: each lane group's softmax state (max, sum, acc[D]) for the
+        merge, and with heads > 1 the staged K/V tile (a row a lane group of one head) with its scales."""
+        D = op.head_dim
+        NY = self.threads // (self.row_lanes(D) * self.heads)
+        merge = self.heads * NY * (D + 2) * 4
+        tile = NY * (2 * D * DTYPES[op.kv_dtype].itemsize + 2 * 4) if self.heads > 1 else 0
+        return merge + tile
 
     # the values the generators use, rules applied
     def dot_lanes_for(self, head_dim: int) -> int:
@@ -96,7 +141,12 @@ class TVMConfig:
         return dict(num_splits=self.num_splits, fused_merge=self.fused_merge)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields, vec and heads left out at 1 (ir.Kernel's key hashes this)."""
+        d = asdict(self)
+        for name in ("vec", "heads"):
+            if d[name] == 1:
+                del d[name]
+        return d
 
     def replace(self, **changes) -> "TVMConfig":
         return replace(self, **changes)

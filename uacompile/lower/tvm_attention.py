@@ -8,6 +8,9 @@ reference.split_ranges. They differ in how work is spread:
   vectorise over D (dot_lanes partial sums for q.k, acc_vec lanes for the V accumulation).
 - cuda: one block per (token, q head, split); TX = `lanes` lanes share a row of D (warp-shuffle
   dot product), NY = threads / TX lane groups take interleaved positions, then merge through shared memory.
+  With `heads` > 1 a block serves that many q heads of one KV head (threadIdx.z, NY = threads / (TX * heads)):
+  each iteration the block copies the K/V rows of its NY positions into shared memory once and every head reads
+  them there. `vec` > 1 moves a lane's q / K / V elements `vec` at a time (vector loads).
 unified_masked scans every page-table entry of every sequence (skipping -1) and masks out
 cells of other sequences and positions outside the token's range: llama.cpp's cost model.
 """
@@ -218,14 +221,27 @@ def _cpu(op: PagedAttention, S: int, fused: bool, cfg: TVMConfig):
     return _with_buffers(op, S, body)
 
 
+def _row(buf, *index):
+    """Element d of one row of buf (the last axis) as a function of d: a K/V row in the cache or in a staged tile."""
+    return lambda d: buf[(*index, d)]
+
+
 def _cuda(op: PagedAttention, S: int, fused: bool, cfg: TVMConfig):
+    from tvm import tirx
     from tvm.script import tirx as T
 
     Hq, D, P, G = op.num_q_heads, op.head_dim, op.page_size, op.group_size
     qdt, kvd = DTYPES[op.q_dtype].tir, op.kv_dtype
+    kvdt = DTYPES[kvd].tir
     TX = cfg.row_lanes(D)  # lanes per row of D
     VEC = D // TX  # elements per lane
-    NY = cfg.threads // TX  # lane groups per block, each over interleaved KV positions
+    H = cfg.heads  # q heads a block (threadIdx.z), all of one KV head's group
+    NY = cfg.threads // (TX * H)  # lane groups a head, each over interleaved KV positions
+    W = cfg.vec  # K/V elements a load
+    WQ = max(1, min(W, 16 // DTYPES[op.q_dtype].itemsize))  # q elements a load (at most 16 bytes)
+    NT = H * NY * TX  # threads a block
+    CH = D // W  # loads a staged row
+    KIT = (NY * CH + NT - 1) // NT  # staging loads a thread an iteration
     NSH = TX.bit_length() - 1  # butterfly steps over the TX lanes of a row
     quant, unified, with_lse = op.quantized, op.variant == "unified_masked", op.return_lse
     scale, NEG = op.sm_scale, neg_inf()
@@ -236,20 +252,35 @@ def _cuda(op: PagedAttention, S: int, fused: bool, cfg: TVMConfig):
     def tf(x, h, j, L, slopes):
         return transform_score(op, x, h, j, L, slopes)
 
+    def head_of(bh, hz):  # the q head of block row bh, threadIdx.z hz
+        return tirx.Cast("int64", bh) if H == 1 else tirx.Cast("int64", bh) * H + tirx.Cast("int64", hz)
+
     @T.macro
-    def lane_dot(st, qv, k_cache, k_scale, page, o, g, tx, valid):
+    def lane_load(dst, row, tx):
+        # dst[v] = row(tx * VEC + v), W elements a (vector) load
+        for v0 in T.unroll(VEC // W):
+            for v1 in T.vectorized(W):
+                dst[v0 * W + v1] = row(tx * VEC + v0 * W + v1)
+
+    @T.macro
+    def lane_dot(st, qv, kr, row, k_scale_of_row, tx, valid):
         # every lane reaches the shuffles (loop trip counts are block-uniform); loads are guarded
         st[2] = T.float32(0)
         if valid:
-            for v in T.serial(VEC):
-                st[2] = st[2] + qv[v] * load_f32(kvd, k_cache[page, o, g, tx * VEC + v])
+            if W == 1:
+                for v in T.serial(VEC):
+                    st[2] = st[2] + qv[v] * load_f32(kvd, row(tx * VEC + v))
+            else:
+                lane_load(kr, row, tx)
+                for v in T.unroll(VEC):
+                    st[2] = st[2] + qv[v] * load_f32(kvd, kr[v])
         for r in T.unroll(NSH):
             st[2] = st[2] + T.tvm_warp_shuffle_xor(FULL, st[2], (TX // 2) >> r, TX, 32)
         if quant and valid:
-            st[2] = st[2] * k_scale[page, o, g]
+            st[2] = st[2] * k_scale_of_row
 
     @T.macro
-    def online_update(st, acc, v_cache, v_scale, page, o, g, tx, score):
+    def online_update(st, acc, vr, row, v_scale_of_row, tx, score):
         m_new: T.let[T.float32] = T.max(st[0], score)
         alpha: T.let[T.float32] = T.exp(st[0] - m_new)
         p: T.let[T.float32] = T.exp(score - m_new)
@@ -257,91 +288,192 @@ def _cuda(op: PagedAttention, S: int, fused: bool, cfg: TVMConfig):
         st[0] = m_new
         st[3] = p
         if quant:
-            st[3] = p * v_scale[page, o, g]
+            st[3] = p * v_scale_of_row
+        if W == 1:
+            for v in T.serial(VEC):
+                acc[v] = acc[v] * alpha + st[3] * load_f32(kvd, row(tx * VEC + v))
+        else:
+            lane_load(vr, row, tx)
+            for v in T.unroll(VEC):
+                acc[v] = acc[v] * alpha + st[3] * load_f32(kvd, vr[v])
+
+    @T.macro
+    def stage(sk, sv, sks, svs, k_cache, v_cache, k_scale, v_scale, page_table, s, g, a, b, it, num_seqs, max_pages,
+              tid):
+        # the block's threads copy the K/V rows of this iteration's NY positions (W elements a load) into sk / sv,
+        # row y the position lane groups ty == y take; rows past the range (or on no page) are left as they are
+        for k in T.serial(KIT):
+            ch: T.let[T.int64] = T.Cast("int64", k * NT + tid)
+            y: T.let[T.int64] = ch // CH
+            d0: T.let[T.int64] = ch % CH * W
+            if unified:
+                cells: T.let[T.int64] = num_seqs * max_pages * P
+                c: T.let[T.int64] = it * NY + y
+                page: T.let[T.int64] = T.Cast("int64", T.if_then_else(
+                    c < cells and ch < NY * CH, page_table[c // (max_pages * P) % num_seqs, c // P % max_pages], -1))
+                if page >= 0:
+                    for w in T.vectorized(W):
+                        sk[y, d0 + w] = k_cache[page, c % P, g, d0 + w]
+                        sv[y, d0 + w] = v_cache[page, c % P, g, d0 + w]
+                    if quant and d0 == 0:
+                        sks[y] = k_scale[page, c % P, g]
+                        svs[y] = v_scale[page, c % P, g]
+            else:
+                j: T.let[T.int64] = a + it * NY + y
+                if j < b and ch < NY * CH:
+                    page: T.let[T.int64] = T.Cast("int64", page_table[s, j // P])
+                    for w in T.vectorized(W):
+                        sk[y, d0 + w] = k_cache[page, j % P, g, d0 + w]
+                        sv[y, d0 + w] = v_cache[page, j % P, g, d0 + w]
+                    if quant and d0 == 0:
+                        sks[y] = k_scale[page, j % P, g]
+                        svs[y] = v_scale[page, j % P, g]
+
+    @T.macro
+    def block(q, k_cache, v_cache, token_seq, page_table, token_kv_len, k_scale, v_scale, alibi_slopes, o_partial,
+              lse_partial, out, lse, num_seqs, max_pages, bt, bh, sp, hz, ty, tx):
+        # one thread of the block of (token bt, q heads bh * H .. + H, split sp): head hz, lane group ty, lane tx
+        qv = T.alloc_buffer((VEC,), "float32", scope="local")
+        acc = T.alloc_buffer((VEC,), "float32", scope="local")
+        st = T.alloc_buffer((4,), "float32", scope="local")  # m, l, dot, p*v_scale
+        kr = T.alloc_buffer((VEC,), kvdt, scope="local")  # a lane's K / V elements (vector loads)
+        vr = T.alloc_buffer((VEC,), kvdt, scope="local")
+        qr = T.alloc_buffer((VEC,), qdt, scope="local")
+        sm_m = T.alloc_buffer((H * NY,), "float32", scope="shared")
+        sm_l = T.alloc_buffer((H * NY,), "float32", scope="shared")
+        sm_acc = T.alloc_buffer((H * NY, D), "float32", scope="shared")
+        t: T.let[T.int64] = T.Cast("int64", bt)
+        h: T.let[T.int64] = head_of(bh, hz)
+        g: T.let[T.int64] = h // G
+        s: T.let[T.int64] = T.Cast("int64", token_seq[t])
+        L: T.let[T.int64] = T.Cast("int64", token_kv_len[t])
+        lo: T.let[T.int64] = lo_of(L)
+        a: T.let[T.int64] = split(lo, L, sp)[0]
+        b: T.let[T.int64] = split(lo, L, sp)[1]
+        if W == 1:
+            for v in T.serial(VEC):
+                qv[v] = T.Cast("float32", q[t, h, tx * VEC + v]) * T.float32(scale)
+                acc[v] = T.float32(0)
+        else:
+            for v0 in T.unroll(VEC // WQ):
+                for v1 in T.vectorized(WQ):
+                    qr[v0 * WQ + v1] = q[t, h, tx * VEC + v0 * WQ + v1]
+            for v in T.unroll(VEC):
+                qv[v] = T.Cast("float32", qr[v]) * T.float32(scale)
+                acc[v] = T.float32(0)
+        st[0] = NEG
+        st[1] = T.float32(0)
+        if H == 1:  # each lane reads its K/V elements from global memory
+            if unified:
+                cells: T.let[T.int64] = num_seqs * max_pages * P
+                for it in T.serial((cells + NY - 1) // NY):
+                    c: T.let[T.int64] = it * NY + T.Cast("int64", ty)
+                    s2: T.let[T.int64] = c // (max_pages * P)
+                    pi: T.let[T.int64] = c // P % max_pages
+                    o: T.let[T.int64] = c % P
+                    page: T.let[T.int64] = T.Cast("int64", T.if_then_else(
+                        c < cells, page_table[s2 % num_seqs, pi], -1))
+                    lane_dot(st, qv, kr, _row(k_cache, page, o, g), k_scale[page, o, g], tx, page >= 0)
+                    if page >= 0 and s2 == s and pi * P + o >= a and pi * P + o < b:
+                        online_update(st, acc, vr, _row(v_cache, page, o, g), v_scale[page, o, g], tx,
+                                      tf(st[2], h, pi * P + o, L, alibi_slopes))
+            else:
+                for it in T.serial((b - a + NY - 1) // NY):
+                    j: T.let[T.int64] = a + it * NY + T.Cast("int64", ty)
+                    page: T.let[T.int64] = T.Cast("int64", T.if_then_else(
+                        j < b, page_table[s, j // P], 0))
+                    lane_dot(st, qv, kr, _row(k_cache, page, j % P, g), k_scale[page, j % P, g], tx, j < b)
+                    if j < b:
+                        online_update(st, acc, vr, _row(v_cache, page, j % P, g), v_scale[page, j % P, g], tx,
+                                      tf(st[2], h, j, L, alibi_slopes))
+        else:  # the block stages each iteration's K/V rows in shared memory once for its H heads
+            sk = T.alloc_buffer((NY, D), kvdt, scope="shared")
+            sv = T.alloc_buffer((NY, D), kvdt, scope="shared")
+            sks = T.alloc_buffer((NY,), "float32", scope="shared")
+            svs = T.alloc_buffer((NY,), "float32", scope="shared")
+            tid: T.let[T.int32] = (hz * NY + ty) * TX + tx
+            yy: T.let[T.int64] = T.Cast("int64", ty)
+            if unified:
+                cells: T.let[T.int64] = num_seqs * max_pages * P
+                for it in T.serial((cells + NY - 1) // NY):
+                    stage(sk, sv, sks, svs, k_cache, v_cache, k_scale, v_scale, page_table, s, g, a, b, it,
+                          num_seqs, max_pages, tid)
+                    T.tvm_storage_sync("shared")
+                    c: T.let[T.int64] = it * NY + yy
+                    s2: T.let[T.int64] = c // (max_pages * P)
+                    pi: T.let[T.int64] = c // P % max_pages
+                    o: T.let[T.int64] = c % P
+                    page: T.let[T.int64] = T.Cast("int64", T.if_then_else(
+                        c < cells, page_table[s2 % num_seqs, pi], -1))
+                    lane_dot(st, qv, kr, _row(sk, yy), sks[yy], tx, page >= 0)
+                    if page >= 0 and s2 == s and pi * P + o >= a and pi * P + o < b:
+                        online_update(st, acc, vr, _row(sv, yy), svs[yy], tx,
+                                      tf(st[2], h, pi * P + o, L, alibi_slopes))
+                    T.tvm_storage_sync("shared")
+            else:
+                for it in T.serial((b - a + NY - 1) // NY):
+                    stage(sk, sv, sks, svs, k_cache, v_cache, k_scale, v_scale, page_table, s, g, a, b, it,
+                          num_seqs, max_pages, tid)
+                    T.tvm_storage_sync("shared")
+                    j: T.let[T.int64] = a + it * NY + yy
+                    lane_dot(st, qv, kr, _row(sk, yy), sks[yy], tx, j < b)
+                    if j < b:
+                        online_update(st, acc, vr, _row(sv, yy), svs[yy], tx, tf(st[2], h, j, L, alibi_slopes))
+                    T.tvm_storage_sync("shared")
+        if tx == 0:
+            sm_m[hz * NY + ty] = st[0]
+            sm_l[hz * NY + ty] = st[1]
         for v in T.serial(VEC):
-            acc[v] = acc[v] * alpha + st[3] * load_f32(kvd, v_cache[page, o, g, tx * VEC + v])
+            sm_acc[hz * NY + ty, tx * VEC + v] = acc[v]
+        T.tvm_storage_sync("shared")
+        if ty == 0:  # merge the NY partial softmax states of the head
+            st[0] = NEG
+            for y in T.serial(NY):
+                st[0] = T.max(st[0], sm_m[hz * NY + y])
+            st[1] = T.float32(0)
+            for v in T.serial(VEC):
+                acc[v] = T.float32(0)
+            if st[0] > NEG:
+                for y in T.serial(NY):
+                    st[3] = T.exp(sm_m[hz * NY + y] - st[0])
+                    st[1] = st[1] + sm_l[hz * NY + y] * st[3]
+                    for v in T.serial(VEC):
+                        acc[v] = acc[v] + sm_acc[hz * NY + y, tx * VEC + v] * st[3]
+            inv: T.let[T.float32] = T.Select(st[1] > T.float32(0), T.float32(1) / st[1], T.float32(0))
+            lse_v: T.let[T.float32] = T.Select(st[1] > T.float32(0), st[0] + T.log(st[1]), NEG)
+            if S == 1:
+                for v in T.serial(VEC):
+                    out[t, h, tx * VEC + v] = T.Cast(qdt, acc[v] * inv)
+                if with_lse and tx == 0:
+                    lse[t, h] = lse_v
+            else:
+                for v in T.serial(VEC):
+                    o_partial[sp, t, h, tx * VEC + v] = acc[v] * inv
+                if tx == 0:
+                    lse_partial[sp, t, h] = lse_v
 
     @T.macro
     def body(q, k_cache, v_cache, token_seq, page_table, token_kv_len, k_scale, v_scale, alibi_slopes, o_partial,
              lse_partial, out, lse, num_tokens, num_seqs, max_pages):
-        for bt in T.thread_binding(num_tokens, thread="blockIdx.x"):
-            for bh in T.thread_binding(Hq, thread="blockIdx.y"):
-                for sp in T.thread_binding(S, thread="blockIdx.z"):
-                    for ty in T.thread_binding(NY, thread="threadIdx.y"):
-                        for tx in T.thread_binding(TX, thread="threadIdx.x"):
-                            qv = T.alloc_buffer((VEC,), "float32", scope="local")
-                            acc = T.alloc_buffer((VEC,), "float32", scope="local")
-                            st = T.alloc_buffer((4,), "float32", scope="local")  # m, l, dot, p*v_scale
-                            sm_m = T.alloc_buffer((NY,), "float32", scope="shared")
-                            sm_l = T.alloc_buffer((NY,), "float32", scope="shared")
-                            sm_acc = T.alloc_buffer((NY, D), "float32", scope="shared")
-                            t: T.let[T.int64] = T.Cast("int64", bt)
-                            h: T.let[T.int64] = T.Cast("int64", bh)
-                            g: T.let[T.int64] = h // G
-                            s: T.let[T.int64] = T.Cast("int64", token_seq[t])
-                            L: T.let[T.int64] = T.Cast("int64", token_kv_len[t])
-                            lo: T.let[T.int64] = lo_of(L)
-                            a: T.let[T.int64] = split(lo, L, sp)[0]
-                            b: T.let[T.int64] = split(lo, L, sp)[1]
-                            for v in T.serial(VEC):
-                                qv[v] = T.Cast("float32", q[t, h, tx * VEC + v]) * T.float32(scale)
-                                acc[v] = T.float32(0)
-                            st[0] = NEG
-                            st[1] = T.float32(0)
-                            if unified:
-                                cells: T.let[T.int64] = num_seqs * max_pages * P
-                                for it in T.serial((cells + NY - 1) // NY):
-                                    c: T.let[T.int64] = it * NY + T.Cast("int64", ty)
-                                    s2: T.let[T.int64] = c // (max_pages * P)
-                                    pi: T.let[T.int64] = c // P % max_pages
-                                    o: T.let[T.int64] = c % P
-                                    page: T.let[T.int64] = T.Cast("int64", T.if_then_else(
-                                        c < cells, page_table[s2 % num_seqs, pi], -1))
-                                    lane_dot(st, qv, k_cache, k_scale, page, o, g, tx, page >= 0)
-                                    if page >= 0 and s2 == s and pi * P + o >= a and pi * P + o < b:
-                                        online_update(st, acc, v_cache, v_scale, page, o, g, tx,
-                                                      tf(st[2], h, pi * P + o, L, alibi_slopes))
-                            else:
-                                for it in T.serial((b - a + NY - 1) // NY):
-                                    j: T.let[T.int64] = a + it * NY + T.Cast("int64", ty)
-                                    page: T.let[T.int64] = T.Cast("int64", T.if_then_else(
-                                        j < b, page_table[s, j // P], 0))
-                                    lane_dot(st, qv, k_cache, k_scale, page, j % P, g, tx, j < b)
-                                    if j < b:
-                                        online_update(st, acc, v_cache, v_scale, page, j % P, g, tx,
-                                                      tf(st[2], h, j, L, alibi_slopes))
-                            if tx == 0:
-                                sm_m[ty] = st[0]
-                                sm_l[ty] = st[1]
-                            for v in T.serial(VEC):
-                                sm_acc[ty, tx * VEC + v] = acc[v]
-                            T.tvm_storage_sync("shared")
-                            if ty == 0:  # merge the NY partial softmax states
-                                st[0] = NEG
-                                for y in T.serial(NY):
-                                    st[0] = T.max(st[0], sm_m[y])
-                                st[1] = T.float32(0)
-                                for v in T.serial(VEC):
-                                    acc[v] = T.float32(0)
-                                if st[0] > NEG:
-                                    for y in T.serial(NY):
-                                        st[3] = T.exp(sm_m[y] - st[0])
-                                        st[1] = st[1] + sm_l[y] * st[3]
-                                        for v in T.serial(VEC):
-                                            acc[v] = acc[v] + sm_acc[y, tx * VEC + v] * st[3]
-                                inv: T.let[T.float32] = T.Select(st[1] > T.float32(0), T.float32(1) / st[1],
-                                                                 T.float32(0))
-                                lse_v: T.let[T.float32] = T.Select(st[1] > T.float32(0), st[0] + T.log(st[1]), NEG)
-                                if S == 1:
-                                    for v in T.serial(VEC):
-                                        out[t, h, tx * VEC + v] = T.Cast(qdt, acc[v] * inv)
-                                    if with_lse and tx == 0:
-                                        lse[t, h] = lse_v
-                                else:
-                                    for v in T.serial(VEC):
-                                        o_partial[sp, t, h, tx * VEC + v] = acc[v] * inv
-                                    if tx == 0:
-                                        lse_partial[sp, t, h] = lse_v
+        if H == 1:
+            for bt in T.thread_binding(num_tokens, thread="blockIdx.x"):
+                for bh in T.thread_binding(Hq, thread="blockIdx.y"):
+                    for sp in T.thread_binding(S, thread="blockIdx.z"):
+                        for ty in T.thread_binding(NY, thread="threadIdx.y"):
+                            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                                block(q, k_cache, v_cache, token_seq, page_table, token_kv_len, k_scale, v_scale,
+                                      alibi_slopes, o_partial, lse_partial, out, lse, num_seqs, max_pages, bt, bh, sp,
+                                      0, ty, tx)
+        else:
+            for bt in T.thread_binding(num_tokens, thread="blockIdx.x"):
+                for bh in T.thread_binding(Hq // H, thread="blockIdx.y"):
+                    for sp in T.thread_binding(S, thread="blockIdx.z"):
+                        for hz in T.thread_binding(H, thread="threadIdx.z"):
+                            for ty in T.thread_binding(NY, thread="threadIdx.y"):
+                                for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                                    block(q, k_cache, v_cache, token_seq, page_table, token_kv_len, k_scale,
+                                          v_scale, alibi_slopes, o_partial, lse_partial, out, lse, num_seqs,
+                                          max_pages, bt, bh, sp, hz, ty, tx)
         if fused:  # a second kernel (launched after the first, in program order) merges the partials
             for bt in T.thread_binding(num_tokens, thread="blockIdx.x"):
                 for bh in T.thread_binding(Hq, thread="blockIdx.y"):
@@ -350,6 +482,5 @@ def _cuda(op: PagedAttention, S: int, fused: bool, cfg: TVMConfig):
                         st = T.alloc_buffer((4,), "float32", scope="local")
                         merge_row(o_partial, lse_partial, out, lse, st, acc, T.Cast("int64", bt), T.Cast("int64", bh),
                                   tx * VEC, VEC)
-
 
     return _with_buffers(op, S, body)

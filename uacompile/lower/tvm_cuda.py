@@ -19,6 +19,7 @@ from pathlib import Path
 from .. import nvcc
 from ..cache import cached_build, content_hash, toolchain_versions
 from ..ir import OpSpec, as_kernel, c_signature
+from .config import SHARED_BYTES
 from .tvm_kernels import generator_source, prim_func
 
 CACHE_KIND = "tvm_cuda"
@@ -29,7 +30,7 @@ EXTRA_FLAGS = ("-diag-suppress=1444,177,1046,20054",)
 def cuda_target(arch: str):
     import tvm
 
-    cfg = {"kind": "cuda", "arch": nvcc.check_arch(arch), "max_shared_memory_per_block": 49152,
+    cfg = {"kind": "cuda", "arch": nvcc.check_arch(arch), "max_shared_memory_per_block": SHARED_BYTES,
            "max_threads_per_block": 1024}
     return tvm.target.Target(cfg, host="llvm")
 
