@@ -298,6 +298,16 @@ def _cuda(op: PagedAttention, S: int, fused: bool, cfg: TVMConfig):
                 acc[v] = acc[v] * alpha + st[3] * load_f32(kvd, vr[v])
 
     @T.macro
+    def copy_row(sk, sv, sks, svs, k_cache, v_cache, k_scale, v_scale, page, o, g, y, d0):
+        # W elements of position (page, o)'s K and V rows into row y of sk / sv (and its scales, once a row)
+        for w in T.vectorized(W):
+            sk[y, d0 + w] = k_cache[page, o, g, d0 + w]
+            sv[y, d0 + w] = v_cache[page, o, g, d0 + w]
+        if quant and d0 == 0:
+            sks[y] = k_scale[page, o, g]
+            svs[y] = v_scale[page, o, g]
+
+    @T.macro
     def stage(sk, sv, sks, svs, k_cache, v_cache, k_scale, v_scale, page_table, s, g, a, b, it, num_seqs, max_pages,
               tid):
         # the block's threads copy the K/V rows of this iteration's NY positions (W elements a load) into sk / sv,
@@ -312,22 +322,12 @@ def _cuda(op: PagedAttention, S: int, fused: bool, cfg: TVMConfig):
                 page: T.let[T.int64] = T.Cast("int64", T.if_then_else(
                     c < cells and ch < NY * CH, page_table[c // (max_pages * P) % num_seqs, c // P % max_pages], -1))
                 if page >= 0:
-                    for w in T.vectorized(W):
-                        sk[y, d0 + w] = k_cache[page, c % P, g, d0 + w]
-                        sv[y, d0 + w] = v_cache[page, c % P, g, d0 + w]
-                    if quant and d0 == 0:
-                        sks[y] = k_scale[page, c % P, g]
-                        svs[y] = v_scale[page, c % P, g]
+                    copy_row(sk, sv, sks, svs, k_cache, v_cache, k_scale, v_scale, page, c % P, g, y, d0)
             else:
                 j: T.let[T.int64] = a + it * NY + y
                 if j < b and ch < NY * CH:
                     page: T.let[T.int64] = T.Cast("int64", page_table[s, j // P])
-                    for w in T.vectorized(W):
-                        sk[y, d0 + w] = k_cache[page, j % P, g, d0 + w]
-                        sv[y, d0 + w] = v_cache[page, j % P, g, d0 + w]
-                    if quant and d0 == 0:
-                        sks[y] = k_scale[page, j % P, g]
-                        svs[y] = v_scale[page, j % P, g]
+                    copy_row(sk, sv, sks, svs, k_cache, v_cache, k_scale, v_scale, page, j % P, g, y, d0)
 
     @T.macro
     def block(q, k_cache, v_cache, token_seq, page_table, token_kv_len, k_scale, v_scale, alibi_slopes, o_partial,
