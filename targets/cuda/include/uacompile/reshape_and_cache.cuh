@@ -170,6 +170,20 @@ struct ReshapeAndCache {
     }
 #endif
   }
+  // f(kv, r, i, c) for each vector of a step this lane holds: x[kv][r][i], vector c = lane + i * GROUP of row r of K
+  // (kv 0) or V (kv 1)
+  template <int R, class F>
+  static __device__ __forceinline__ void step_vecs(int lane, F&& f) {
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+          const int c = lane + i * GROUP;
+          if (c < CHUNKS) f(kv, r, i, c);
+        }
+  }
   template <int R, int S>
   static __device__ __forceinline__ void load_step(const in_t* __restrict__ k, const in_t* __restrict__ v, int64_t task,
                                             int64_t tasks, int s, int lane, Step<R>& st) {
@@ -178,15 +192,9 @@ struct ReshapeAndCache {
     const int64_t row0 = t * HKV + first_head<R, S>(task, s);
     if constexpr (PREFETCH_TOKENS > 0)
       prefetch_rows<R>(k, v, t + PREFETCH_TOKENS, first_head<R, S>(task, s), tasks / (HKV / (R * S)), lane);
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-          const int c = lane + i * GROUP;
-          if (c < CHUNKS) st.x[kv][r][i] = load_vec<in_t, VEC>((kv ? v : k) + (row0 + r) * D + c * VEC);
-        }
+    step_vecs<R>(lane, [&](int kv, int r, int i, int c) {
+      st.x[kv][r][i] = load_vec<in_t, VEC>((kv ? v : k) + (row0 + r) * D + c * VEC);
+    });
   }
 
   // ---------------------------------------------------------------- RoPE on K (float64, as reference.rope)
@@ -538,15 +546,9 @@ struct ReshapeAndCache {
     const int64_t row0 = head.slot * HKV + h0;  // slot = page * P + offset: the cache row of head h0
     if constexpr (ROPE) rope_rows<R>(st.x[0], ang, lane, k + (task / (HKV / (R * S)) * HKV + h0) * D);
     if constexpr (!QUANT) {
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-          const int c = lane + i * GROUP;
-          if (c < CHUNKS) store_vec<cache_t, VEC>((kv ? v_cache : k_cache) + (row0 + r) * D + c * VEC, st.x[kv][r][i]);
-        }
+      step_vecs<R>(lane, [&](int kv, int r, int i, int c) {
+        store_vec<cache_t, VEC>((kv ? v_cache : k_cache) + (row0 + r) * D + c * VEC, st.x[kv][r][i]);
+      });
     } else if constexpr (LEAN_QUANT) {
     float amax[2][R], scale[2][R], rcp[2][R];
     step_amax<R>(st, lane, amax);
