@@ -627,15 +627,9 @@ struct ReshapeAndCache {
           const int64_t row0 = t * HKV + first_head<R, S>(task, (int)(n % S));
           if constexpr (PREFETCH_TOKENS > 0)
             prefetch_rows<R>(k, v, t + PREFETCH_TOKENS, first_head<R, S>(task, (int)(n % S)), tasks / (HKV / (R * S)), lane);
-#pragma unroll
-          for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-#pragma unroll
-              for (int i = 0; i < PER_LANE; ++i) {
-                const int c = lane + i * GROUP;
-                if (c < CHUNKS) cp_async<sizeof(vec_t)>(cell(n, (kv * R + r) * PER_LANE + i), (kv ? v : k) + (row0 + r) * D + c * VEC);
-              }
+          step_vecs<R>(lane, [&](int kv, int r, int i, int c) {
+            cp_async<sizeof(vec_t)>(cell(n, (kv * R + r) * PER_LANE + i), (kv ? v : k) + (row0 + r) * D + c * VEC);
+          });
           cp_async<8>(head, slot_mapping + t);
           if constexpr (ROPE) cp_async<8>(head + 1, positions + t);
         } else {
@@ -656,13 +650,9 @@ struct ReshapeAndCache {
       head.slot = h[0];
       if constexpr (ROPE) head.pos = (double)h[1];
       Step<R> cur;
-#pragma unroll
-      for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int i = 0; i < PER_LANE; ++i)
-            if (lane + i * GROUP < CHUNKS) cur.x[kv][r][i] = *reinterpret_cast<const vec_t*>(cell(n, (kv * R + r) * PER_LANE + i));
+      step_vecs<R>(lane, [&cur, &cell, n](int kv, int r, int i, int) {  // n by value: [&] changes the register allocation
+        cur.x[kv][r][i] = *reinterpret_cast<const vec_t*>(cell(n, (kv * R + r) * PER_LANE + i));
+      });
       if constexpr (ROPE) {
         if (s == 0 && head.slot >= 0) task_angles(head.pos, lane, ang);
       }
