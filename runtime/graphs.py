@@ -32,18 +32,6 @@ def buckets(limit: int, start: int = 1) -> list[int]:
     return out + [limit]
 
 
-class _Mirror:
-    """Pinned host copies of the static inputs (DecodeGraphs.mirrors)."""
-
-    def __init__(self, B: int, widths: list[int]):
-        pin = dict(pin_memory=True)
-        self.ids = torch.zeros(B, dtype=torch.int64, **pin)
-        self.pos = torch.zeros(B, dtype=torch.int64, **pin)
-        self.len = torch.ones(B, dtype=torch.int32, **pin)
-        self.slot = torch.full((B,), -1, dtype=torch.int64, **pin)
-        self.tables = {w: torch.zeros((B, w), dtype=torch.int32, **pin) for w in widths}
-
-
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -66,9 +54,13 @@ class DecodeGraphs:
         self.token_kv_len = torch.ones(B, dtype=torch.int32, device=dev)
         self.slot_mapping = torch.full((B,), -1, dtype=torch.int64, device=dev)
         self.tables = {w: torch.zeros((B, w), dtype=torch.int32, device=dev) for w in self.widths}
-        # their pinned host mirrors, one copy each a step; two sets, one a step (step n + 2 writes the set whose
-        # copies step n made and finished; step n + 1's may still be queued)
-        self.mirrors = (_Mirror(B, self.widths), _Mirror(B, self.widths))
+        st = executor.staging
+        for _ in range(2):  # the pinned host side of those inputs (replay), both staging sets sized before serving
+            for name in ("graph_ids", "graph_pos", "graph_slot"):
+                st.host(name, (B,), torch.int64)
+            st.host("graph_len", (B,), torch.int32)
+            st.host("graph_table", (B, self.widths[-1]), torch.int32)
+            st.flip()
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = None
         self.replays = 0  # decode steps served from a graph
@@ -121,20 +113,21 @@ class DecodeGraphs:
         n, pages = len(hs.input_ids), hs.page_table.shape[1]
         bs, w = self._bucket(n, pages)
         g = self.graphs[(bs, w)]
-        m = self.mirrors[self.replays % 2]
-        ids, pos, ln, slot = (t.numpy() for t in (m.ids, m.pos, m.len, m.slot))
+        host = self.ex.staging.host  # this step's pinned buffers (the executor's staging: two sets, one a step)
+        h_ids, h_pos, h_slot = (host(name, (bs,), torch.int64) for name in ("graph_ids", "graph_pos", "graph_slot"))
+        h_len, h_table = host("graph_len", (bs,), torch.int32), host("graph_table", (bs, w), torch.int32)
+        ids, pos, ln, slot, table = (t.numpy() for t in (h_ids, h_pos, h_len, h_slot, h_table))
         ids[:n], pos[:n], slot[:n] = hs.input_ids, hs.positions, hs.slot_mapping
         ln[:n] = hs.positions + 1
-        ids[n:bs], pos[n:bs], slot[n:bs], ln[n:bs] = 0, 0, -1, 1  # padding rows
-        table = m.tables[w].numpy()
+        ids[n:], pos[n:], slot[n:], ln[n:] = 0, 0, -1, 1  # padding rows
         table[:n, :pages] = hs.page_table
         table[:n, pages:] = -1
-        table[n:bs] = 0
-        self.input_ids[:bs].copy_(m.ids[:bs], non_blocking=True)
-        self.positions[:bs].copy_(m.pos[:bs], non_blocking=True)
-        self.token_kv_len[:bs].copy_(m.len[:bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(m.slot[:bs], non_blocking=True)
-        self.tables[w][:bs].copy_(m.tables[w][:bs], non_blocking=True)
+        table[n:] = 0
+        self.input_ids[:bs].copy_(h_ids, non_blocking=True)
+        self.positions[:bs].copy_(h_pos, non_blocking=True)
+        self.token_kv_len[:bs].copy_(h_len, non_blocking=True)
+        self.slot_mapping[:bs].copy_(h_slot, non_blocking=True)
+        self.tables[w][:bs].copy_(h_table, non_blocking=True)
         if pending is not None:
             fill_pending(self.input_ids[:n], pending)
         g.graph.replay()

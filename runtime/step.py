@@ -89,14 +89,18 @@ class Staging:
         """The next step's set."""
         self._buffers = self._sets[self._buffers is self._sets[0]]
 
+    def host(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """This step's pinned host buffer `name` as a tensor of shape (contents left from an earlier step)."""
+        n = int(np.prod(shape))
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = self._buffers[name] = torch.empty(max(n, 1) * 2, dtype=dtype, pin_memory=True)
+        return buf[:n].view(shape)
+
     def to_device(self, name: str, a: np.ndarray) -> torch.Tensor:
         if not self.pin:
             return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-        buf = self._buffers.get(name)
-        n = a.size
-        if buf is None or buf.numel() < n or buf.dtype != _TORCH[a.dtype.str]:
-            buf = self._buffers[name] = torch.empty(max(n, 1) * 2, dtype=_TORCH[a.dtype.str], pin_memory=True)
-        host = buf[:n].view(a.shape)
+        host = self.host(name, a.shape, _TORCH[a.dtype.str])
         host.numpy()[...] = a
         return host.to(self.device, non_blocking=True)
 
