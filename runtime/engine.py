@@ -393,7 +393,7 @@ class Engine:
             sampled = f.pending.result()
         seqs = []
         for seq, pos in zip(f.seqs, f.positions):
-            if pos < seq.num_tokens and seq.token_ids[pos] < 0 and seq.seq_id in self._seq_request:  # not aborted
+            if pos < seq.num_tokens and seq.token_ids[pos] < 0:  # not aborted since (abort drops the code)
                 seq.token_ids[pos] = sampled.tokens[seq.seq_id]
                 seqs.append(seq)
         return self._collect(seqs, sampled)
