@@ -341,10 +341,6 @@ class CUDASpace:
         return bench
 
 
-# paged_attention.cuh's CONSUMER_REGS: registers a consumer thread of the Hopper prefill path may take (setmaxnreg)
-WG_CONSUMER_REGS = 240
-
-
 def wg_tiles(op, arch: str) -> list[tuple[int, int]]:
     """The Hopper prefill tiles (K/V positions, TMA stages) worth timing for op besides the rule's: each width of
     64, 128, 192 or 256 positions at the most stages (<= 6) whose shared memory fits a block (layout.check_fits),
@@ -357,7 +353,7 @@ def wg_tiles(op, arch: str) -> list[tuple[int, int]]:
     rule = layout.layout(op, AttentionConfig(), arch)
     out = []
     for bn in (64, 128, 192, 256):
-        if layout.wgmma_width(op.head_dim) // 2 + bn > WG_CONSUMER_REGS:
+        if layout.wgmma_width(op.head_dim) // 2 + bn > layout.CONSUMER_REGS:
             continue
         for stages in range(6, 1, -1):
             c = AttentionConfig(wg_tile=(bn, stages))

@@ -37,6 +37,7 @@ STATIC_SMEM = 1024  # the template's static __shared__ (merge flags, range_smem,
 H200_SMS = 132
 CP_PRODUCER_BELOW = 8  # Hopper path: pages under this many positions are copied by the producer warps' cp.async, not TMA
 Q_PREFETCH_MIN = 1024  # Hopper path: bytes of a token's Q rows (G * D * 2) from which the V producer prefetches them
+CONSUMER_REGS = 240  # Hopper path: registers a consumer thread may take (paged_attention.cuh's setmaxnreg CONSUMER_REGS)
 
 
 @dataclass(frozen=True)
