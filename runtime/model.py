@@ -320,7 +320,8 @@ class LlamaForCausalLM(nn.Module):
         embedding weights N(0, 0.02), norms 1."""
         with torch.device("meta"):
             model = cls(cfg)
-        model = model.to_empty(device=device).to(dtype)
+        model = model.to(dtype)
+        model._allocate(device)
         gen = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
