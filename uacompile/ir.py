@@ -50,6 +50,7 @@ DTYPES: dict[str, DType] = {d.name: d for d in (
     DType("fp16",     2, "half",    "half",       "float16",  "float16",       "float16"),
     DType("bf16",     2, "bf16",    "bfloat16_t", "bfloat16", "bfloat16",      "bfloat16"),
     DType("int8",     1, "int8_t",  "int8_t",     "int8",     "int8",          "int8"),
+    DType("uint8",    1, "uint8_t", "uint8_t",    "uint8",    "uint8",         "uint8"),
     DType("fp8_e4m3", 1, "uint8_t", "",           "uint8",    "float8_e4m3fn", "float8_e4m3fn"),
     DType("int32",    4, "int32_t", "int32_t",    "int32",    "int32",         "int32"),
     DType("int64",    8, "int64_t", "int64_t",    "int64",    "int64",         "int64"),
@@ -60,6 +61,35 @@ KV_DTYPES = ("fp32", "fp16", "bf16", "int8", "fp8_e4m3")
 QUANT_DTYPES = ("int8", "fp8_e4m3")
 # largest magnitude a quantised KV element can hold; scale = amax / QMAX
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A GGUF block format of quantised weights (ggml's layouts): a row of K weights is K / block blocks of
+    `nbytes` bytes each, stored one after another."""
+
+    name: str  # the IR's name: "q4_k"
+    gguf: str  # GGMLQuantizationType name: "Q4_K"
+    block: int  # weights a block
+    nbytes: int  # bytes a block
+
+    def row_bytes(self, cols: int) -> int:
+        return cols // self.block * self.nbytes
+
+    @property
+    def bits(self) -> float:
+        """Bits a weight, scales included (Q8_0: 8.5, Q4_K: 4.5)."""
+        return 8.0 * self.nbytes / self.block
+
+
+WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
+    WeightFormat("q8_0", "Q8_0", 32, 34),     # fp16 d; int8 q[32]:                         w = d * q
+    WeightFormat("q4_0", "Q4_0", 32, 18),     # fp16 d; 16 bytes of nibbles:                w = d * (q - 8)
+    WeightFormat("q4_1", "Q4_1", 32, 20),     # fp16 d, m; 16 bytes of nibbles:             w = d * q + m
+    WeightFormat("q4_k", "Q4_K", 256, 144),   # fp16 d, dmin; 12 bytes of 6-bit (scale, min) x 8; 128 bytes of nibbles
+    WeightFormat("q5_k", "Q5_K", 256, 176),   # as q4_k, plus 32 bytes of fifth bits
+    WeightFormat("q6_k", "Q6_K", 256, 210),   # 128 bytes low nibbles, 64 bytes high 2 bits, int8 scales[16], fp16 d
+)}
 
 Dim = Union[int, str]
 
@@ -569,8 +599,75 @@ class Rope(OpSpec):
                 TensorSpec("positions", "int64", ("num_tokens",)), size("num_tokens")]
 
 
+def _check_weight_format(op) -> WeightFormat:
+    _check_choice(op, "weight_format", WEIGHT_FORMATS)
+    fmt = WEIGHT_FORMATS[op.weight_format]
+    if op.in_features % fmt.block:
+        raise IRError(f"{op.kind}.in_features",
+                      f"must be a multiple of {op.weight_format}'s block of {fmt.block} weights, got {op.in_features}")
+    return fmt
+
+
+@dataclass(frozen=True)
+class QuantMatmul(OpSpec):
+    """A linear layer over GGUF block-quantised weights, kept packed: out = dtype(x @ W^T).
+
+    weight [N, K / block * nbytes] uint8 holds each output row's K weights as consecutive blocks of
+    weight_format (ggml's layout, byte for byte as in a GGUF file); W = its decoded values (reference.
+    dequantize_blocks: ggml's float32 arithmetic). out[t, n] = sum_k x[t, k] * W[n, k], rounded once to dtype;
+    kernels accumulate in float32.
+    """
+
+    kind: ClassVar[str] = "quant_matmul"
+    in_features: int  # K
+    out_features: int  # N
+    weight_format: str = "q8_0"
+    dtype: str = "bf16"  # x and out
+
+    def __post_init__(self):
+        _check_positive(self, "in_features", "out_features")
+        _check_weight_format(self)
+        _check_choice(self, "dtype", FLOAT_DTYPES)
+
+    @property
+    def format(self) -> WeightFormat:
+        return WEIGHT_FORMATS[self.weight_format]
+
+    def params(self) -> list[TensorSpec]:
+        K, N = self.in_features, self.out_features
+        return [TensorSpec("x", self.dtype, ("num_tokens", K)),
+                TensorSpec("weight", "uint8", (N, self.format.row_bytes(K))),
+                TensorSpec("out", self.dtype, ("num_tokens", N), "out"), size("num_tokens")]
+
+
+@dataclass(frozen=True)
+class Dequantize(OpSpec):
+    """Decode rows of GGUF block-quantised weights: out = dtype(W), W as in quant_matmul (ggml's float32
+    arithmetic, rounded once to dtype). A layer's weights decoded into a scratch buffer feed a dense matmul
+    (prefill), rows gathered from a quantised embedding give its lookup."""
+
+    kind: ClassVar[str] = "dequantize"
+    in_features: int  # K: weights a row
+    weight_format: str = "q8_0"
+    dtype: str = "bf16"
+
+    def __post_init__(self):
+        _check_positive(self, "in_features")
+        _check_weight_format(self)
+        _check_choice(self, "dtype", FLOAT_DTYPES)
+
+    @property
+    def format(self) -> WeightFormat:
+        return WEIGHT_FORMATS[self.weight_format]
+
+    def params(self) -> list[TensorSpec]:
+        K = self.in_features
+        return [TensorSpec("weight", "uint8", ("num_rows", self.format.row_bytes(K))),
+                TensorSpec("out", self.dtype, ("num_rows", K), "out"), size("num_rows")]
+
+
 OPS: dict[str, type] = {c.kind: c for c in (PagedAttention, ReshapeAndCache, CopyBlocks, SwapBlocks, MergeState,
-                                            RMSNorm, SiluAndMul, Rope)}
+                                            RMSNorm, SiluAndMul, Rope, QuantMatmul, Dequantize)}
 
 
 def op_from_dict(d: dict) -> OpSpec:
@@ -613,7 +710,7 @@ def reference_doc() -> str:
             ReshapeAndCache(8, 128, 16, "bf16", "int8", rope=True), CopyBlocks(8, 128, 16, "int8"),
             SwapBlocks(8, 128, 16, "int8"), MergeState(32, 128, 4, "bf16", return_lse=True),
             RMSNorm(4096, "bf16", 1e-6), RMSNorm(4096, "bf16", 1e-6, residual=True), SiluAndMul(12288, "bf16"),
-            Rope(32, 128, "bf16", 1e6)]
+            Rope(32, 128, "bf16", 1e6), QuantMatmul(4096, 6144, "q4_k", "bf16"), Dequantize(4096, "q8_0", "bf16")]
     parts = ["# Ops (generated by `uacompile ops --markdown`; do not edit)", ""]
     for cls in OPS.values():
         doc = "\n".join(line.strip() for line in (cls.__doc__ or "").strip().splitlines())
@@ -645,6 +742,7 @@ __all__ = [
     "DType", "DTYPES", "FLOAT_DTYPES", "KV_DTYPES", "QUANT_DTYPES", "QMAX", "TensorSpec", "OpSpec", "Kernel",
     "as_kernel", "check_splits",
     "PagedAttention", "ReshapeAndCache", "CopyBlocks", "SwapBlocks", "MergeState", "RMSNorm", "SiluAndMul", "Rope",
+    "QuantMatmul", "Dequantize", "WeightFormat", "WEIGHT_FORMATS",
     "OPS", "op_from_dict", "c_signature", "cffi_cdef", "describe", "itemsize", "numpy_dtype", "torch_dtype",
     "from_torch",
 ]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ir import (QMAX, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, RMSNorm, Rope, SiluAndMul, SwapBlocks,
-                 numpy_dtype)
+from .ir import (QMAX, WEIGHT_FORMATS, CopyBlocks, Dequantize, MergeState, PagedAttention, QuantMatmul, ReshapeAndCache,
+                 RMSNorm, Rope, SiluAndMul, SwapBlocks, numpy_dtype)
 
 
 def f64(x) -> np.ndarray:
@@ -197,6 +197,114 @@ def rope_op(op: Rope, x, positions):
     return x
 
 
+# ---------------------------------------------------------------- GGUF weight blocks
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 fields (the last axis: 2 bytes) as float32."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes of packed 6-bit (scale, min) pairs [n, 12] -> (scales, mins) [n, 8] float32
+    (ggml's get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7, sub-blocks 4-7 split
+    between the nibbles of bytes 8-11 and the top 2 bits of bytes 0-3 / 4-7)."""
+    q = scales.astype(np.uint8)
+    lo_sc, lo_m, hi = q[:, 0:4], q[:, 4:8], q[:, 8:12]
+    sc = np.concatenate([lo_sc & 63, (hi & 0xF) | ((lo_sc >> 6) << 4)], axis=1)
+    m = np.concatenate([lo_m & 63, (hi >> 4) | ((lo_m >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), m.astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
+    """[n, bytes] packed nibbles -> [n, 2 * bytes] values: each `chunk` bytes give `chunk` low nibbles, then
+    the same bytes' `chunk` high nibbles (ggml's order)."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, chunk)
+    return np.concatenate([q & 0xF, q >> 4], axis=2).reshape(n, -1)
+
+
+def dequantize_blocks(weight: np.ndarray, weight_format: str, cols: int) -> np.ndarray:
+    """Rows of GGUF blocks [rows, cols / block * nbytes] uint8 -> the weights [rows, cols] float32, in ggml's
+    float32 arithmetic (ggml-quants.c's dequantize_row_*; each product rounded in float32, no fused multiply-add)."""
+    fmt = WEIGHT_FORMATS[weight_format]
+    w = np.ascontiguousarray(weight, dtype=np.uint8)
+    rows = w.shape[0]
+    b = w.reshape(-1, fmt.nbytes)  # one block a row
+    f32 = np.float32
+    if weight_format == "q8_0":
+        y = _f16(b[:, 0:2]) * b[:, 2:].view(np.int8).astype(f32)
+    elif weight_format == "q4_0":
+        y = (_nibbles(b[:, 2:], 16).astype(f32) - f32(8)) * _f16(b[:, 0:2])
+    elif weight_format == "q4_1":
+        y = _nibbles(b[:, 4:], 16).astype(f32) * _f16(b[:, 0:2]) + _f16(b[:, 2:4])
+    elif weight_format in ("q4_k", "q5_k"):
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, m = k_scale_min(b[:, 4:16])
+        ql = b[:, 48:] if weight_format == "q5_k" else b[:, 16:]
+        q = _nibbles(ql, 32).reshape(-1, 8, 32)  # sub-block j = nibbles (j % 2) of bytes 32 * (j // 2) ...
+        if weight_format == "q5_k":  # sub-block j's fifth bit: bit j of qh[l]
+            qh = b[:, 16:48]
+            q = q + (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
+        y = (d * sc)[:, :, None] * q.astype(f32) - (dmin * m)[:, :, None]
+    elif weight_format == "q6_k":
+        ql, qh, scales, d = b[:, 0:128], b[:, 128:192], b[:, 192:208].view(np.int8), _f16(b[:, 208:210])
+        # two halves of 128 weights: half h uses ql[64h:64h+64], qh[32h:32h+32]; its four runs of 32 are
+        # (ql[0:32] low, ql[32:64] low, ql[0:32] high, ql[32:64] high) with qh's bit pairs 0, 2, 4, 6
+        ql = ql.reshape(-1, 2, 1, 64)
+        low = np.concatenate([ql & 0xF, ql >> 4], axis=2).reshape(-1, 2, 4, 32)
+        high = (qh.reshape(-1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+        q = (low | (high << 4)).astype(np.int8).astype(f32) - f32(32)  # [n, 2, 4, 32]
+        scale = (d * scales.astype(f32)).reshape(-1, 2, 4, 2)  # 16 weights a scale: run r's halves 2r, 2r+1
+        y = (scale[..., None] * q.reshape(-1, 2, 4, 2, 16))
+    else:
+        raise ValueError(f"unknown weight format {weight_format!r}")
+    return np.asarray(y, f32).reshape(rows, cols)
+
+
+def _np_roundf(x: np.ndarray) -> np.ndarray:
+    """C's roundf (halves away from zero), as ggml's reference quantisers."""
+    return np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))
+
+
+def quantize_blocks(w: np.ndarray, weight_format: str) -> np.ndarray:
+    """Weights [rows, cols] -> GGUF blocks [rows, cols / block * nbytes] uint8, by ggml's reference quantisers
+    (quantize_row_*_ref) for q8_0, q4_0 and q4_1 (the formats a checkpoint is quantised to at load)."""
+    fmt = WEIGHT_FORMATS[weight_format]
+    x = np.asarray(w, np.float32)
+    rows = x.shape[0]
+    b = x.reshape(-1, fmt.block)
+    f32 = np.float32
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if weight_format == "q8_0":
+            d = np.abs(b).max(axis=1, keepdims=True) / f32(127)
+            q = _np_roundf(b * np.where(d == 0, f32(0), f32(1) / d)).astype(np.int8).view(np.uint8)
+            out = np.concatenate([d.astype(np.float16).view(np.uint8), q], axis=1)
+        elif weight_format == "q4_0":  # the element of largest magnitude maps to -8
+            idx = np.abs(b).argmax(axis=1)
+            mx = b[np.arange(len(b)), idx][:, None]
+            d = mx / f32(-8)
+            q = np.clip(np.trunc(b * np.where(d == 0, f32(0), f32(1) / d) + f32(8.5)), 0, 15).astype(np.uint8)
+            out = np.concatenate([d.astype(np.float16).view(np.uint8), q[:, :16] | (q[:, 16:] << 4)], axis=1)
+        elif weight_format == "q4_1":
+            lo, hi = b.min(axis=1, keepdims=True), b.max(axis=1, keepdims=True)
+            d = (hi - lo) / f32(15)
+            q = np.clip(np.trunc((b - lo) * np.where(d == 0, f32(0), f32(1) / d) + f32(0.5)), 0, 15).astype(np.uint8)
+            out = np.concatenate([d.astype(np.float16).view(np.uint8), lo.astype(np.float16).view(np.uint8),
+                                  q[:, :16] | (q[:, 16:] << 4)], axis=1)
+        else:
+            raise ValueError(f"quantize_blocks: {weight_format!r} has no quantiser here (q8_0, q4_0, q4_1)")
+    return out.reshape(rows, fmt.row_bytes(x.shape[1]))
+
+
+def quant_matmul(op: QuantMatmul, x, weight):
+    """Returns out [T, N] float64 = x @ W^T, W decoded by dequantize_blocks."""
+    return f64(x) @ f64(dequantize_blocks(weight, op.weight_format, op.in_features)).T
+
+
+def dequantize_op(op: Dequantize, weight):
+    """Returns out [rows, K] float64 = dtype(W)."""
+    return _round(dequantize_blocks(weight, op.weight_format, op.in_features), op.dtype)
+
+
 def run(op, **arrays):
     """Dispatch by kind with keyword arrays named as in op.params(); op may be an ir.Kernel, whose config's
     split fields (signature()) select partials or the merged output."""
@@ -210,5 +318,5 @@ def run(op, **arrays):
         op = op.op
     fn = {"paged_attention": paged_attention, "merge_state": merge_state, "reshape_and_cache": reshape_and_cache,
           "copy_blocks": copy_blocks, "swap_blocks": swap_blocks, "rms_norm": rms_norm, "silu_and_mul": silu_and_mul,
-          "rope": rope_op}[op.kind]
+          "rope": rope_op, "quant_matmul": quant_matmul, "dequantize": dequantize_op}[op.kind]
     return fn(op, **arrays, **extra)

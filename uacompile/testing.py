@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from . import reference
-from .ir import (QUANT_DTYPES, CopyBlocks, MergeState, PagedAttention, ReshapeAndCache, RMSNorm, Rope, SiluAndMul,
+from .ir import (QUANT_DTYPES, WEIGHT_FORMATS, CopyBlocks, Dequantize, QuantMatmul, MergeState, PagedAttention, ReshapeAndCache, RMSNorm, Rope, SiluAndMul,
                  SwapBlocks, numpy_dtype)
 
 
@@ -160,6 +160,48 @@ def rope_inputs(op: Rope, rng, num_tokens: int, max_position: int = 1 << 17) -> 
     positions[0] = 0
     return dict(x=random_floats(rng, (num_tokens, op.num_heads, op.head_dim), op.dtype), positions=positions,
                 num_tokens=num_tokens)
+
+
+def random_quant_weight(rng, weight_format: str, rows: int, cols: int, scale: float = 0.02) -> np.ndarray:
+    """Rows of GGUF blocks [rows, cols / block * nbytes] uint8: random quants (every bit pattern), fp16 scale
+    fields drawn so the weights come out of order `scale` (signed d and minimums: every sign case)."""
+    fmt = WEIGHT_FORMATS[weight_format]
+    raw = rng.integers(0, 256, size=(rows, fmt.row_bytes(cols)), dtype=np.uint8)
+    b = raw.reshape(-1, fmt.nbytes)
+    qrange = {"q8_0": 64, "q4_0": 4, "q4_1": 8, "q4_k": 8 * 32, "q5_k": 16 * 32, "q6_k": 16 * 64}[weight_format]
+
+    def put(offset, magnitude):
+        v = (rng.uniform(0.5, 1.5, len(b)) * rng.choice([-1.0, 1.0], len(b)) * magnitude).astype(np.float16)
+        b[:, offset:offset + 2] = v.view(np.uint8).reshape(-1, 2)
+
+    d_at = 208 if weight_format == "q6_k" else 0
+    put(d_at, scale / qrange)
+    if weight_format in ("q4_1", "q4_k", "q5_k"):  # the minimum: m (q4_1) or dmin (times a 6-bit min)
+        put(2, scale * (1.0 if weight_format == "q4_1" else 1.0 / 32))
+    return raw
+
+
+def quant_matmul_inputs(op: QuantMatmul, rng, num_tokens: int) -> dict:
+    """Unit-variance activations in op.dtype and random packed weights (random_quant_weight)."""
+    return dict(x=random_floats(rng, (num_tokens, op.in_features), op.dtype),
+                weight=random_quant_weight(rng, op.weight_format, op.out_features, op.in_features),
+                num_tokens=num_tokens)
+
+
+def dequantize_inputs(op: Dequantize, rng, num_rows: int) -> dict:
+    return dict(weight=random_quant_weight(rng, op.weight_format, num_rows, op.in_features), num_rows=num_rows)
+
+
+def matmul_error(out, want) -> float:
+    """||out - want|| / ||want|| over the whole output (float64): a float32-accumulated matmul lands near 1e-6
+    before its output is rounded; the rounding adds fp16's 3e-4 or bf16's 2.3e-3 (relative, rms)."""
+    out, want = np.asarray(out, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(out - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def matmul_tolerance(dtype: str) -> float:
+    """The largest matmul_error accepted for outputs in dtype (twice the rounding's share)."""
+    return {"fp32": 1e-5, "fp16": 1e-3, "bf16": 6e-3}[dtype]
 
 
 def layer_tolerance(dtype: str) -> float:

@@ -95,7 +95,7 @@ def test_op_from_dict_rejects_unknown():
     with pytest.raises(IRError, match="paged_attention.heads"):
         op_from_dict({"op": "paged_attention", "heads": 3})
     assert set(OPS) == {"paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks", "merge_state", "rms_norm",
-                        "silu_and_mul", "rope"}
+                        "silu_and_mul", "rope", "quant_matmul", "dequantize"}
 
 
 def test_params_follow_options():
@@ -199,7 +199,7 @@ def test_dtype_table_names_resolve_with_its_sizes():
         assert from_torch(torch_dtype(name)) == name
         assert d.c and d.tir
     assert DTYPES["fp8_e4m3"].c == "uint8_t" and DTYPES["fp8_e4m3"].tir == "uint8"
-    assert from_torch(torch.uint8) is None and from_torch(torch.complex64) is None
+    assert from_torch(torch.uint8) == "uint8" and from_torch(torch.complex64) is None
 
 
 def test_ir_never_imports_torch():
