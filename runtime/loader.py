@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from uacompile import ir, reference
+
 from .model import ModelConfig, Weights
 from .tokenizer import Tokenizer, gguf_tokenizer, hf_tokenizer
 
@@ -28,11 +30,14 @@ log = logging.getLogger(__name__)
 HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 GGUF_PERMUTED_QK = ("llama",)  # archs whose converter permutes Q/K rows for interleaved rotary
-GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0")
+# the block-quantised GGUF types (ir.WEIGHT_FORMATS, by their GGUF names) and the float ones
+GGUF_QUANT_TYPES = {f.gguf: f.name for f in ir.WEIGHT_FORMATS.values()}
+GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", *GGUF_QUANT_TYPES)
 # the checkpoint dtype a GGUF reports (ModelConfig.torch_dtype), by the type holding most of its elements;
-# Q8_0 (int8 times an fp16 scale, exact in neither half type) runs in bf16: these models were trained in
-# bf16 and their activations can leave fp16's range
-GGUF_CHECKPOINT_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "bfloat16"}
+# quantised weights (exact in neither half type) run in bf16: these models were trained in bf16 and their
+# activations can leave fp16's range
+GGUF_CHECKPOINT_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                         **dict.fromkeys(GGUF_QUANT_TYPES, "bfloat16")}
 GGUF_CHUNK_ELEMENTS = 1 << 20  # rows are decoded this many elements at a time
 # GGUF tensor name -> HF name ({i} = layer)
 GGUF_NAMES = {
@@ -95,15 +100,20 @@ def rope_row_order(rows: int, num_heads: int) -> np.ndarray:
 
 
 def _decode_rows(src: np.ndarray, kind: str, out: torch.Tensor) -> None:
-    """Decode GGUF rows (src: the stored rows, elements for F32/F16, bytes for BF16/Q8_0) into out [rows, cols]."""
+    """Decode GGUF rows (src: the stored rows, elements for F32/F16, bytes for BF16 and the block formats) into
+    out [rows, cols]: block formats in ggml's float32 arithmetic (reference.dequantize_blocks), rounded once."""
     if kind in ("F32", "F16"):
         out.copy_(torch.from_numpy(src))
     elif kind == "BF16":
         out.copy_(torch.from_numpy(src.view(np.int16)).view(torch.bfloat16))
-    else:  # Q8_0: blocks of an fp16 scale and 32 int8 values; the product is exact in float32, rounded once into out
+    elif kind == "Q8_0":  # blocks of an fp16 scale and 32 int8 values; the product is exact in float32
         blocks = src.reshape(-1, 34)
         scale = torch.from_numpy(blocks[:, :2].view(np.float16)).float()
         torch.mul(torch.from_numpy(blocks[:, 2:].view(np.int8)), scale, out=out.view(-1, 32))
+    else:
+        rows = out.shape[0] if out.dim() > 1 else 1
+        out.copy_(torch.from_numpy(reference.dequantize_blocks(src.reshape(rows, -1), GGUF_QUANT_TYPES[kind],
+                                                               out.shape[-1])).view(out.shape))
 
 
 class GGUFWeights(Weights):

@@ -225,10 +225,10 @@ def test_corrupt_and_unsupported_gguf(tmp_path, written, vocab_meta):
     write_gguf(other, model, vocab_meta, arch="gpt2")
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
         load(other)
-    q4 = tmp_path / "q4.gguf"
-    write_gguf(q4, model, vocab_meta, override_type={"blk.0.ffn_gate.weight": Q.Q4_0})
-    with pytest.raises(ValueError, match="blk.0.ffn_gate.weight: type Q4_0 is not supported"):
-        load(q4)
+    q5 = tmp_path / "q5_0.gguf"  # a type the gguf library writes and this loader does not take
+    write_gguf(q5, model, vocab_meta, override_type={"blk.0.ffn_gate.weight": Q.Q5_0})
+    with pytest.raises(ValueError, match=r"blk.0.ffn_gate.weight: type Q5_0 is not supported \(supported: .*Q4_K"):
+        load(q5)
     missing = tmp_path / "missing.gguf"
     write_gguf(missing, model, vocab_meta, drop=("blk.1.ffn_up.weight",))
     with pytest.raises(ValueError, match="missing tensors.*layers.1.mlp.up_proj"):
