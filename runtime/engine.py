@@ -21,6 +21,7 @@ from .executor import Executor
 from .kernels import KernelOps, cuda_template_gap, make_backend
 from .loader import LoadedModel, load
 from .model import LlamaForCausalLM, ModelConfig
+from .quant import QUANTIZATIONS
 from .sampling import PendingSample, Sampler, TokenLogprob
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
@@ -109,6 +110,9 @@ class EngineConfig:
     kernel_dir: str | None = None     # tvm-cuda: a `uacompile build --target cuda` folder of prebuilt kernels (no TVM here)
     log_stats_interval: float = 10.0  # seconds between throughput lines at INFO (0 = none)
     async_scheduling: bool | None = None  # schedule step n + 1 while step n runs (default: on CUDA)
+    quantization: str = "auto"        # auto: block-quantised GGUF weights stay packed where the backend runs them
+    #                                   packed (else decoded); none: every weight decoded to dtype; q8_0 / fp8: the
+    #                                   float weights quantised at load (fp8: e4m3 rows through torch._scaled_mm, CUDA)
 
     def __post_init__(self):
         def is_int(v):
@@ -139,6 +143,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.attention_variant not in ("ua", "unified_masked"):
             raise ValueError(f"attention_variant must be 'ua' or 'unified_masked', got {self.attention_variant!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization == "fp8" and self.device != "cuda":
+            raise ValueError("quantization='fp8' runs on CUDA (torch._scaled_mm); use device='cuda' or "
+                             "quantization='q8_0' on the CPU")
         if self.kernel_dir is not None and not isinstance(self.kernel_dir, str):
             raise ValueError(f"kernel_dir must be a folder path (str) or None, got {self.kernel_dir!r}")
 
@@ -175,20 +184,28 @@ class Engine:
         loaded = model if isinstance(model, LoadedModel) else load(model)
         cfg, self.tokenizer = loaded.config, loaded.tokenizer
         self.dtype = DTYPES[ec.dtype] if ec.dtype is not None else default_dtype(cfg, ec.device)
+        if ec.quantization == "fp8" and self.dtype == torch.float32:
+            raise ValueError("quantization='fp8' needs a 16-bit dtype (bfloat16 or float16), got float32")
+        page_size = scheduler_kwargs.get("page_size") or 16
+        ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size, self.dtype,
+                                  cfg.sliding_window, ec.attention_variant)
+        self.kernels = make_backend(ec.kernel_backend, ops, ec.device, ec.kernel_dir)
         if loaded.weights is None:  # a config alone: random weights made on the device (benchmarks)
             self.model = LlamaForCausalLM.random(cfg, ec.device, self.dtype, ec.seed)
+            self.model.quantize_(ec.quantization)
         else:
-            self.model = LlamaForCausalLM.from_weights(cfg, loaded.weights, ec.device, self.dtype, ec.progress)
+            packed = self.kernels.packed_formats if ec.quantization in ("auto", "q8_0") else frozenset()
+            self.model = LlamaForCausalLM.from_weights(cfg, loaded.weights, ec.device, self.dtype, ec.progress,
+                                                       packed, ec.quantization)
         del loaded
-        log.info("model loaded in %.2f s: %s (%s, %d layers, %d/%d heads, head_dim %d, vocab %d), %s on %s",
-                 time.perf_counter() - t0, "random weights" if isinstance(model, LoadedModel) else model, cfg.arch, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                 cfg.head_dim, cfg.vocab_size, str(self.dtype).removeprefix("torch."), ec.device)
+        log.info("model loaded in %.2f s: %s (%s, %d layers, %d/%d heads, head_dim %d, vocab %d), %s on %s, "
+                 "weights %s (%.3g GB)", time.perf_counter() - t0,
+                 "random weights" if isinstance(model, LoadedModel) else model, cfg.arch, cfg.num_layers,
+                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, str(self.dtype).removeprefix("torch."),
+                 ec.device, self.model.weight_formats(), self.model.weight_bytes() / 1e9)
         sc = self._scheduler_config(cfg, scheduler_kwargs)
         self.scheduler = Scheduler(sc)
-        ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sc.page_size, self.dtype,
-                                  cfg.sliding_window, ec.attention_variant)
         t0 = time.perf_counter()
-        self.kernels = make_backend(ec.kernel_backend, ops, ec.device, ec.kernel_dir)
         self.model.use_kernels(self.kernels)  # the layer ops (norms, SiLU-and-mul, RoPE) on the backend's kernels
         built = self.kernels.prepare(sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len, ec.progress)
         log.info("kernels ready in %.2f s (%s backend; %d prepared, %d libraries from the cache)",

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from uacompile import binding, ir, reference
 from uacompile.errors import IRError
 
+from .quant import FP8_MAX, Fp8Linear, QuantEmbedding, QuantLinear, dequantize
+
 log = logging.getLogger("uacompile.runtime")
 BACKENDS = ("tvm-cpu", "cuda", "tvm-cuda", "reference")
 
@@ -65,8 +67,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
+def fp8_linear(module: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    """x @ (weight * scale)^T: on CUDA torch._scaled_mm (cuBLASLt's e4m3 matmul, row-wise scales) over x quantised a
+    token row at a time (scale = amax / 448); elsewhere the weights decoded to x's dtype."""
+    if x.is_cuda:
+        amax = x.abs().amax(dim=1, keepdim=True).float()
+        sx = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        xq = (x.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, module.weight.t(), scale_a=sx, scale_b=module.scale[None, :], out_dtype=x.dtype)
+    else:
+        y = F.linear(x, (module.weight.float() * module.scale[:, None]).to(x.dtype))
+    return y if module.bias is None else y + module.bias
+
+
 class TorchLayerOps:
     """The model's layer ops in torch: the fallback of every backend without kernels for them."""
+
+    packed_formats: frozenset = frozenset()  # the block formats the backend runs packed (QuantLinear); others decode at load
+
+    def linear(self, module, x):
+        """x @ W^T (+ bias) of a projection: dense (nn.Linear), packed blocks (QuantLinear: here decoded every call,
+        a backend with kernels runs them packed) or e4m3 (Fp8Linear)."""
+        if isinstance(module, QuantLinear):
+            outs = [F.linear(x, dequantize(w, p.weight_format, module.in_features, x.dtype)) for p, w in module.packed()]
+            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            return y if module.bias is None else y + module.bias
+        if isinstance(module, Fp8Linear):
+            return fp8_linear(module, x)
+        return F.linear(x, module.weight, module.bias)
+
+    def embed(self, module, ids):
+        """The embedding rows of ids: a lookup, or for a QuantEmbedding its packed rows decoded."""
+        if isinstance(module, QuantEmbedding):
+            return dequantize(module.weight[ids], module.weight_format, module.embedding_dim, module.dtype)
+        return F.embedding(ids, module.weight)
 
     def prepare_layers(self, ops: list) -> None:
         """Build (or load) the layer-op kernels a model will launch (ir.RMSNorm, SiluAndMul, Rope) before its
@@ -92,10 +126,53 @@ class TorchLayerOps:
         return apply_rope(x, cos, sin)
 
 
+DECODE_ROWS = 64  # QuantLinear: up to this many rows run the packed matmul kernel, more decode into a scratch + matmul
+
+
 class KernelLayerOps(TorchLayerOps):
-    """The layer ops on kernels (ir.RMSNorm, SiluAndMul, Rope): a subclass gives build_layer_kernel(op), a
-    callable over op.params() keywords. The residual stream is updated in place (rms_norm writes h into
-    residual and the norm into x), rope rotates a contiguous x in place."""
+    """The layer ops on kernels (ir.RMSNorm, SiluAndMul, Rope, and the packed QuantMatmul / Dequantize): a subclass
+    gives build_layer_kernel(op), a callable over op.params() keywords. The residual stream is updated in place
+    (rms_norm writes h into residual and the norm into x), rope rotates a contiguous x in place. A packed
+    projection runs ir.QuantMatmul over up to DECODE_ROWS rows (decode); a longer step decodes each run of rows
+    into one scratch buffer (the largest layer's, reused by every layer) and multiplies densely (torch.matmul)."""
+
+    packed_formats = frozenset(ir.WEIGHT_FORMATS)
+
+    def scratch(self, elements: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """A buffer of at least `elements` (the decoded weights of one run of rows), kept for the next layers."""
+        buf = self.__dict__.get("_scratch")
+        if buf is None or buf.numel() < elements or buf.dtype != dtype or buf.device != device:
+            buf = self.__dict__["_scratch"] = torch.empty(elements, dtype=dtype, device=device)
+        return buf[:elements]
+
+    def linear(self, module, x):
+        if not isinstance(module, QuantLinear):
+            return super().linear(module, x)
+        T, K, dt = x.shape[0], module.in_features, x.dtype
+        outs = []
+        for part, w in module.packed():
+            fmt, rows = part.weight_format, part.rows
+            if T <= DECODE_ROWS:
+                out = torch.empty((T, rows), dtype=dt, device=x.device)
+                self.layer_kernel(("quant_matmul", K, rows, fmt, dt),
+                                  lambda: ir.QuantMatmul(K, rows, fmt, ir.from_torch(dt)))(x=x, weight=w, out=out)
+            else:
+                dense = self.scratch(rows * K, dt, x.device).view(rows, K)
+                self.layer_kernel(("dequantize", K, fmt, dt),
+                                  lambda: ir.Dequantize(K, fmt, ir.from_torch(dt)))(weight=w, out=dense)
+                out = F.linear(x, dense)
+            outs.append(out)
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if module.bias is None else y + module.bias
+
+    def embed(self, module, ids):
+        if not isinstance(module, QuantEmbedding):
+            return super().embed(module, ids)
+        E, fmt, dt = module.embedding_dim, module.weight_format, module.dtype
+        out = torch.empty((ids.shape[0], E), dtype=dt, device=ids.device)
+        self.layer_kernel(("dequantize", E, fmt, dt), lambda: ir.Dequantize(E, fmt, ir.from_torch(dt)))(
+            weight=module.weight[ids], out=out)
+        return out
 
     def build_layer_kernel(self, op: ir.OpSpec):
         raise NotImplementedError

@@ -138,6 +138,19 @@ class GGUFWeights(Weights):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
 
+    def stored_format(self, name: str) -> str | None:
+        return GGUF_QUANT_TYPES.get(self.tensors[name].tensor_type.name)
+
+    def read_packed_into(self, name: str, out: torch.Tensor) -> None:
+        """The tensor's blocks as stored (uint8 [rows, row bytes]; llama's Q/K rows un-permuted), copied into out."""
+        t, order = self.tensors[name], self.row_orders.get(name)
+        if self.stored_format(name) is None:
+            raise ValueError(f"GGUF tensor {t.name} is {t.tensor_type.name}, not block-quantised")
+        src = t.data.reshape(out.shape[0], -1)
+        if order is not None:
+            src = src[order]
+        out.copy_(torch.from_numpy(np.ascontiguousarray(src)))
+
     def read_into(self, name: str, out: torch.Tensor) -> None:
         if out.device.type != "cpu" or not out.is_contiguous():
             host = torch.empty(out.shape, dtype=out.dtype)

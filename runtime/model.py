@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .kernels import TorchLayerOps, torch_rms_norm
+from .quant import Fp8Linear, Part, QuantEmbedding, QuantLinear, fp8_rows, quantize_q8_0
 
 ROPE_TYPES = ("default", "linear", "llama3")
 LOAD_PROGRESS_BYTES = 256 << 20  # models this large (in their dtype) show a progress bar while their weights load
@@ -75,6 +76,14 @@ class Weights(Mapping):
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         out.copy_(self[name])
+
+    def stored_format(self, name: str) -> str | None:
+        """The block format (ir.WEIGHT_FORMATS) the tensor is stored in, or None for a float tensor."""
+        return None
+
+    def read_packed_into(self, name: str, out: torch.Tensor) -> None:
+        """Copy a block-quantised tensor's packed rows (uint8 [rows, row bytes]) into out, as stored."""
+        raise ValueError(f"tensor {name} is not stored block-quantised")
 
 
 class TensorWeights(Weights):
@@ -171,13 +180,13 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, attn, ops: TorchLayerOps) -> torch.Tensor:
         T, H, Hkv, D = x.shape[0], self.H, self.Hkv, self.D
-        q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = ops.linear(self.qkv_proj, x).split([H * D, Hkv * D, Hkv * D], dim=-1)
         if self.q_norm is not None:  # Qwen3: RMSNorm of each head's q and k, before RoPE
             q = ops.rms_norm(q.reshape(T * H, D), self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k.reshape(T * Hkv, D), self.k_norm.weight, self.k_norm.eps)
         q, k = rope(q.reshape(T, H, D)), rope(k.reshape(T, Hkv, D))
         out = attn(self.layer, q, k, v.reshape(T, Hkv, D).contiguous())  # cache write + one paged-attention launch
-        return self.o_proj(out.reshape(T, H * D))
+        return ops.linear(self.o_proj, out.reshape(T, H * D))
 
 
 class MLP(nn.Module):
@@ -194,7 +203,7 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x, ops: TorchLayerOps):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return ops.linear(self.down_proj, ops.silu_and_mul(ops.linear(self.gate_up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
@@ -276,18 +285,28 @@ class LlamaForCausalLM(nn.Module):
                ir.SiluAndMul(cfg.intermediate_size, dt)]
         if cfg.qk_norm:
             ops.append(ir.RMSNorm(cfg.head_dim, dt, cfg.rms_norm_eps))
-        return ops + [ir.Rope(n, cfg.head_dim, dt, cfg.rope_theta, freq_factors=self.rope_freq_factors)
-                      for n in sorted({cfg.num_heads, cfg.num_kv_heads})]
+        ops += [ir.Rope(n, cfg.head_dim, dt, cfg.rope_theta, freq_factors=self.rope_freq_factors)
+                for n in sorted({cfg.num_heads, cfg.num_kv_heads})]
+        quant = {}  # the packed layers' decode matmuls and their row decoders (prefill, embedding lookups)
+        for module in self.modules():
+            if isinstance(module, QuantLinear):
+                for part, _ in module.packed():
+                    quant[ir.QuantMatmul(module.in_features, part.rows, part.weight_format, dt)] = None
+                    quant[ir.Dequantize(module.in_features, part.weight_format, dt)] = None
+            elif isinstance(module, QuantEmbedding):
+                quant[ir.Dequantize(module.embedding_dim, module.weight_format, dt)] = None
+        return ops + list(quant)
 
     def use_kernels(self, backend: TorchLayerOps) -> None:
         """Run the layer ops through a kernel backend (kernels.KernelBackend), its kernels built now."""
-        backend.prepare_layers(self.layer_ops(self.model.embed_tokens.weight.dtype))
+        backend.prepare_layers(self.layer_ops(self.dtype))
         self.layer_backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        ops = self.layer_backend
+        x = ops.embed(self.model.embed_tokens, input_ids)
         cos, sin = self.rope_tables(positions, x.dtype)  # the torch RoPE's tables
-        ops, theta, factors = self.layer_backend, self.cfg.rope_theta, self.rope_freq_factors
+        theta, factors = self.cfg.rope_theta, self.rope_freq_factors
 
         def rope(t):
             return ops.rope(t, positions, theta, factors, cos, sin)
@@ -299,18 +318,25 @@ class LlamaForCausalLM(nn.Module):
         return ops.rms_norm(x, norm.weight, norm.eps, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.layer_backend.linear(self.lm_head, hidden).float()
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], device="cpu",
-                     dtype: torch.dtype = torch.float32, progress: bool = False) -> "LlamaForCausalLM":
+                     dtype: torch.dtype = torch.float32, progress: bool = False, packed: frozenset = frozenset(),
+                     quantization: str = "none") -> "LlamaForCausalLM":
         """The fused model in dtype on device, each checkpoint tensor read into its place (Weights.read_into,
-        a plain dict of tensors is wrapped as TensorWeights): no second copy of the model on the host or device."""
+        a plain dict of tensors is wrapped as TensorWeights): no second copy of the model on the host or device.
+        Layers whose checkpoint tensors are stored in a block format of `packed` (the formats the model's backend
+        runs packed) stay packed (QuantLinear / QuantEmbedding); quantization "q8_0" / "fp8" then quantises the
+        float ones (quantize_)."""
+        weights = weights if isinstance(weights, Weights) else TensorWeights(weights)
         with torch.device("meta"):  # no memory and no random init for the parameters that load_weights fills
             model = cls(cfg)
             model.fuse()
         model = model.to(dtype)
-        model.load_weights(weights if isinstance(weights, Weights) else TensorWeights(weights), device, progress)
+        model.keep_packed(weights, packed)
+        model.load_weights(weights, device, progress)
+        model.quantize_(quantization)
         return model.eval()
 
     @classmethod
@@ -337,6 +363,11 @@ class LlamaForCausalLM(nn.Module):
         model.fuse()
         return model.eval()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in (its activations; packed weights are bytes)."""
+        return self.model.norm.weight.dtype
+
     def _allocate(self, device) -> None:
         """Uninitialised parameters and buffers on device in their dtypes, for the meta ones (Module.to_empty, or
         empty_like of a meta tensor, does the same but imports sympy on the way: tens of MiB)."""
@@ -348,16 +379,138 @@ class LlamaForCausalLM(nn.Module):
             for name, b in list(module.named_buffers(recurse=False)):
                 if b.is_meta:
                     setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=device))
-        if self.cfg.tie_word_embeddings:
+        self._tie()
+
+    def _tie(self) -> None:
+        """A tied lm_head reads the embedding's weight (dense, or its packed rows)."""
+        if not self.cfg.tie_word_embeddings:
+            return
+        if isinstance(self.lm_head, QuantLinear):
+            self.lm_head.weight0 = self.model.embed_tokens.weight
+        else:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def weight_formats(self) -> str:
+        """How the projections are stored, counted by kind: "q4_k x 180, q6_k x 72" or "bfloat16 x 253"."""
+        from collections import Counter
+
+        kinds = Counter()
+        for module in [*self.projections().values(), self.model.embed_tokens]:
+            if isinstance(module, QuantLinear):
+                kinds.update(p.weight_format for p in module.parts)
+            elif isinstance(module, QuantEmbedding):
+                kinds[module.weight_format] += 1
+            elif isinstance(module, Fp8Linear):
+                kinds["fp8_e4m3"] += 1
+            else:
+                kinds[str(module.weight.dtype).removeprefix("torch.")] += 1
+        return ", ".join(f"{k} x {n}" for k, n in kinds.most_common())
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers on its device (a tied weight once)."""
+        seen, total = set(), 0
+        for t in [*self.parameters(), *self.buffers()]:
+            if t.data_ptr() not in seen and not t.is_meta:
+                seen.add(t.data_ptr())
+                total += t.nbytes
+        return total
+
+    def projections(self) -> dict[str, nn.Module]:
+        """The matmul layers by module path: each layer's qkv, o, gate_up and down projections, and an untied lm_head."""
+        out = {}
+        for i, layer in enumerate(self.model.layers):
+            for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+                out[f"model.layers.{i}.{path}"] = layer.get_submodule(path)
+        if not self.cfg.tie_word_embeddings:
+            out["lm_head"] = self.lm_head
+        return out
+
+    def keep_packed(self, weights: Weights, packed: frozenset) -> None:
+        """On the meta model: each projection whose checkpoint tensors are all stored in formats of `packed` becomes
+        a QuantLinear over them (a run of rows a format), a block-quantised embedding a QuantEmbedding (with a tied
+        lm_head a QuantLinear over its rows)."""
+        if not packed:
+            return
+        places = self.checkpoint_places()
+        by_target: dict[str, list[tuple[str, int, int]]] = {}
+        for name, (target, start, stop) in places.items():
+            by_target.setdefault(target, []).append((name, start, stop))
+        cfg = self.cfg
+        for path, module in self.projections().items():
+            parts = sorted(by_target.get(f"{path}.weight", []), key=lambda p: p[1])
+            formats = [weights.stored_format(name) for name, _, _ in parts]
+            if not parts or not all(f in packed for f in formats):
+                continue
+            runs: list[Part] = []
+            for f, (_, start, stop) in zip(formats, parts):
+                if runs and runs[-1].weight_format == f:
+                    runs[-1] = Part(f, runs[-1].start, stop)
+                else:
+                    runs.append(Part(f, start, stop))
+            self.set_submodule(path, QuantLinear(module.in_features, runs, module.bias is not None, self.dtype))
+        fmt = weights.stored_format("model.embed_tokens.weight")
+        if fmt in packed:
+            self.model.embed_tokens = QuantEmbedding(cfg.vocab_size, cfg.hidden_size, fmt, self.dtype)
+            if cfg.tie_word_embeddings:
+                self.lm_head = QuantLinear(cfg.hidden_size, [Part(fmt, 0, cfg.vocab_size)], False, self.dtype)
+
+    def quantize_(self, quantization: str) -> None:
+        """Quantise the float projections in place: "q8_0" into Q8_0 blocks (ggml's quantiser; the embedding too,
+        as llama.cpp's Q8_0 files have it), "fp8" into e4m3 rows with a scale each (the lm_head stays in the model's
+        dtype); "none" / "auto" leave them. Each dense weight is freed as its quantised form is made."""
+        if quantization in ("none", "auto"):
+            return
+        if quantization not in ("q8_0", "fp8"):
+            raise ValueError(f"quantization must be one of auto, none, fp8, q8_0, got {quantization!r}")
+        dtype = self.dtype
+        with torch.no_grad():
+            for path, module in self.projections().items():
+                if not isinstance(module, nn.Linear) or module.in_features % 32:
+                    continue
+                if quantization == "fp8" and path == "lm_head":
+                    continue
+                w, bias = module.weight, module.bias
+                if quantization == "q8_0":
+                    new = QuantLinear(module.in_features, [Part("q8_0", 0, module.out_features)], bias is not None,
+                                      dtype, device=w.device)
+                    new.weight0 = quantize_q8_0(w)
+                else:
+                    new = Fp8Linear(module.in_features, module.out_features, bias is not None, dtype, device=w.device)
+                    new.weight, new.scale = fp8_rows(w)
+                if bias is not None:
+                    new.bias = bias
+                self.set_submodule(path, new)
+                del w, module
+            emb = self.model.embed_tokens
+            if quantization == "q8_0" and isinstance(emb, nn.Embedding) and self.cfg.hidden_size % 32 == 0:
+                V, E = emb.weight.shape
+                packed = QuantEmbedding(V, E, "q8_0", dtype, device=emb.weight.device)
+                packed.weight = quantize_q8_0(emb.weight)
+                self.model.embed_tokens = packed
+                if self.cfg.tie_word_embeddings:
+                    self.lm_head = QuantLinear(E, [Part("q8_0", 0, V)], False, dtype, device=emb.weight.device)
+                self._tie()
 
     def checkpoint_places(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint (HF) name -> (this model's parameter or buffer, first row, end row): a fused projection
-        holds its parts' rows in order (q, k, v; gate, up); every other tensor fills its own parameter. A tied
-        lm_head is the embedding (no place of its own)."""
+        holds its parts' rows in order (q, k, v; gate, up); a packed one (QuantLinear) in the buffer of the run of
+        rows holding them; every other tensor fills its own parameter. A tied lm_head is the embedding (no place
+        of its own)."""
         cfg = self.cfg
-        own = dict(self.named_parameters()) | {n: b for n, b in self.named_buffers() if n == "rope_freqs"}
-        places = {name: (name, 0, t.shape[0]) for name, t in own.items()}
+        places = {}
+        for name, module in self.named_modules():
+            if name == "lm_head" and cfg.tie_word_embeddings:
+                continue
+            if isinstance(module, (nn.Linear, QuantLinear)):
+                places[f"{name}.weight"] = (f"{name}.weight", 0, module.out_features)
+                if module.bias is not None:
+                    places[f"{name}.bias"] = (f"{name}.bias", 0, module.out_features)
+            elif isinstance(module, (nn.Embedding, QuantEmbedding)):
+                places[f"{name}.weight"] = (f"{name}.weight", 0, module.num_embeddings)
+            elif isinstance(module, RMSNorm):
+                places[f"{name}.weight"] = (f"{name}.weight", 0, module.weight.shape[0])
+        if cfg.rope_freq_factors:
+            places["rope_freqs"] = ("rope_freqs", 0, cfg.head_dim // 2)
         H, Hkv, D, F_ = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         fused = {"self_attn.qkv_proj": (("self_attn.q_proj", H * D), ("self_attn.k_proj", Hkv * D),
                                         ("self_attn.v_proj", Hkv * D)),
@@ -372,12 +525,18 @@ class LlamaForCausalLM(nn.Module):
                     for part, rows in parts:
                         places[f"model.layers.{i}.{part}.{kind}"] = (target, row, row + rows)
                         row += rows
+        for name, (target, start, stop) in list(places.items()):
+            path, _, kind = target.rpartition(".")
+            module = self.get_submodule(path) if path else None
+            if kind == "weight" and isinstance(module, QuantLinear):
+                buffer, a, b = module.place(start, stop)
+                places[name] = (f"{path}.{buffer}", a, b)
         return places
 
     def load_weights(self, weights: Weights, device="cpu", progress: bool = False) -> None:
         """Strict load by HF name into this fused model on the meta device: a missing or unexpected tensor, or a
         wrong shape, is a ValueError. The parameters are made on device in their dtype, then each checkpoint
-        tensor is read into its rows (rope_freqs at full precision for the rotary table)."""
+        tensor is read into its rows (packed rows as stored; rope_freqs at full precision for the rotary table)."""
         places = self.checkpoint_places()
         names = set(weights) - ({"lm_head.weight"} if self.cfg.tie_word_embeddings else set())
         missing, unexpected = sorted(set(places) - names), sorted(names - set(places))
@@ -385,8 +544,15 @@ class LlamaForCausalLM(nn.Module):
             if found:
                 raise ValueError(f"checkpoint {what} tensors: {found[:5]}{' ...' if len(found) > 5 else ''}")
         own = dict(self.named_parameters()) | dict(self.named_buffers())
+
+        def logical_cols(target: str) -> tuple[int, ...]:
+            t, module = own[target], self.get_submodule(target.rpartition(".")[0]) if "." in target else None
+            if t.dtype == torch.uint8:  # packed rows: the checkpoint tensor's shape is the weights'
+                return (getattr(module, "in_features", None) or module.embedding_dim,)
+            return tuple(t.shape[1:])
+
         for name, (target, start, stop) in places.items():
-            want, got = (stop - start, *own[target].shape[1:]), tuple(weights.shape(name))
+            want, got = (stop - start, *logical_cols(target)), tuple(weights.shape(name))
             if got != want:
                 raise ValueError(f"tensor {name}: shape {got} does not match the config's {want}")
         rope_freqs = None
@@ -404,6 +570,8 @@ class LlamaForCausalLM(nn.Module):
                 out = own[target][start:stop]
                 if name == "rope_freqs":
                     out.copy_(rope_freqs)
+                elif out.dtype == torch.uint8:
+                    weights.read_packed_into(name, out)
                 else:
                     weights.read_into(name, out)
                 bar.update(out.nbytes)

@@ -1,0 +1,154 @@
+"""runtime/quant.py and the packed-weight path through the loader and the model: torch's decoding of the six
+GGUF block formats and its Q8_0 / e4m3 quantisers against the reference, GGUF projections kept packed (runs of
+formats within a fused layer, llama's permuted Q/K rows, a packed tied embedding) giving the decoded model's
+logits, and the engine's `quantization` option."""
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_helpers import gguf_writer  # noqa: E402
+
+from uacompile import ir, reference, testing
+from uacompile.runtime import LLM
+from uacompile.runtime import quant
+from uacompile.runtime.engine import EngineConfig
+from uacompile.runtime.loader import load
+from uacompile.runtime.model import LlamaForCausalLM
+
+Q = gguf.GGMLQuantizationType
+FORMATS = list(ir.WEIGHT_FORMATS)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_is_the_reference_bit_for_bit(fmt, rng):
+    raw = testing.random_quant_weight(rng, fmt, 7, 512)
+    want = reference.dequantize_blocks(raw, fmt, 512)
+    got = quant.dequantize(torch.from_numpy(raw), fmt, 512)
+    assert got.dtype == torch.float32 and np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+    half = quant.dequantize(torch.from_numpy(raw), fmt, 512, torch.bfloat16)
+    assert torch.equal(half, torch.from_numpy(want).to(torch.bfloat16))
+
+
+def test_quantize_q8_0_is_ggml(rng):
+    w = rng.standard_normal((9, 320)).astype(np.float32)
+    w[2, 64:96] = 0
+    w[4, :32] = 0.5  # ties: roundf rounds halves away from zero
+    assert np.array_equal(quant.quantize_q8_0(torch.from_numpy(w)).numpy(), reference.quantize_blocks(w, "q8_0"))
+
+
+def test_fp8_rows_scale_each_row_to_its_maximum(rng):
+    w = torch.from_numpy(rng.standard_normal((5, 64)).astype(np.float32))
+    w[3] = 0
+    q, scale = quant.fp8_rows(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5,) and scale[3] == 1
+    back = q.float() * scale[:, None]
+    assert (back - w).abs().max() <= 0.07 * w.abs().max()
+    assert torch.equal(q.float().abs().amax(dim=1)[[0, 1, 2, 4]], torch.full((4,), 448.0))
+
+
+# ---------------------------------------------------------------- a GGUF of every format
+E, F_, H, HKV, D, V, LAYERS = 256, 512, 4, 2, 64, 320, 2
+# per layer: q, k, v, o, gate, up, down; q/k/v and gate/up fuse, so a layer's fused qkv holds runs of formats
+LAYER_FORMATS = [("q4_k", "q4_k", "q6_k", "q5_k", "q4_0", "q4_1", "q8_0"),
+                 ("q8_0", "q6_k", "q6_k", "q4_1", "q5_k", "q5_k", "q4_k")]
+NAMES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def shape_of(name):
+    return {"attn_q": (H * D, E), "attn_k": (HKV * D, E), "attn_v": (HKV * D, E), "attn_output": (E, H * D),
+            "ffn_gate": (F_, E), "ffn_up": (F_, E), "ffn_down": (E, F_)}[name]
+
+
+@pytest.fixture(scope="module")
+def every_format_gguf(tmp_path_factory):
+    """A 2-layer llama (permuted Q/K rows) whose projections use all six formats, with a tied Q8_0 embedding."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(3)
+    path = tmp_path_factory.mktemp("quant") / "every-format.gguf"
+    cfg = SimpleNamespace(max_position_embeddings=256, hidden_size=E, intermediate_size=F_, num_hidden_layers=LAYERS,
+                          num_attention_heads=H, num_key_value_heads=HKV, head_dim=D,
+                          rope_parameters={"rope_theta": 10000.0}, rms_norm_eps=1e-5)
+    w = gguf_writer(path, "llama", cfg)
+
+    def add(name, fmt, rows, cols, scale=0.05):
+        raw = testing.random_quant_weight(rng, fmt, rows, cols, scale)
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=getattr(Q, ir.WEIGHT_FORMATS[fmt].gguf))
+
+    add("token_embd.weight", "q8_0", V, E, 1.0)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(E)).astype(np.float32))
+    for i, formats in enumerate(LAYER_FORMATS):
+        for name, fmt in zip(NAMES, formats):
+            add(f"blk.{i}.{name}.weight", fmt, *shape_of(name))
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(E)).astype(np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+def causal_attention(layer, q, k, v):
+    """One sequence's causal attention over [T, H, D] (GQA by repeating K/V heads)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    return out.transpose(0, 1).contiguous()
+
+
+def logits(model, ids):
+    t = torch.tensor(ids)
+    with torch.no_grad():
+        return model.logits(model(t, torch.arange(len(ids)), causal_attention)).numpy()
+
+
+def test_projections_stay_packed_and_give_the_decoded_logits(every_format_gguf):
+    loaded = load(every_format_gguf)
+    cfg, weights = loaded.config, loaded.weights
+    assert cfg.tie_word_embeddings and weights.stored_format("model.embed_tokens.weight") == "q8_0"
+    dense = LlamaForCausalLM.from_weights(cfg, weights)
+    packed = LlamaForCausalLM.from_weights(cfg, weights, packed=frozenset(FORMATS))
+    qkv0 = packed.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv0, quant.QuantLinear)
+    assert [(p.weight_format, p.start, p.stop) for p in qkv0.parts] == [("q4_k", 0, 384), ("q6_k", 384, 512)]
+    assert isinstance(packed.model.embed_tokens, quant.QuantEmbedding) and isinstance(packed.lm_head, quant.QuantLinear)
+    assert packed.lm_head.weight0.data_ptr() == packed.model.embed_tokens.weight.data_ptr()  # tied: one buffer
+    assert "q4_k" in packed.weight_formats() and "float32" not in packed.weight_formats()
+    assert packed.weight_bytes() < dense.weight_bytes() / 5
+    # the packed rows are the file's rows (llama's Q/K un-permuted as they load), decoding to the dense weights
+    q_rows = qkv0.weight0[:H * D]
+    assert torch.equal(quant.dequantize(q_rows, "q4_k", E), weights["model.layers.0.self_attn.q_proj.weight"])
+    ids = [5, 17, 200, 3, 99, 301, 42, 7]
+    want, got = logits(dense, ids), logits(packed, ids)
+    assert np.isfinite(want).all() and want.std() > 0.1
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_only_the_named_formats_stay_packed(every_format_gguf):
+    loaded = load(every_format_gguf)
+    model = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, packed=frozenset({"q8_0"}))
+    layers = model.model.layers
+    assert isinstance(layers[1].mlp.gate_up_proj, torch.nn.Linear)  # q5_k: decoded
+    assert isinstance(layers[0].mlp.down_proj, quant.QuantLinear)  # q8_0: packed
+    assert isinstance(model.model.embed_tokens, quant.QuantEmbedding)
+
+
+def test_quantization_q8_0_of_a_float_model(every_format_gguf):
+    loaded = load(every_format_gguf)
+    dense = LlamaForCausalLM.from_weights(loaded.config, loaded.weights)
+    q8 = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, quantization="q8_0")
+    assert all(isinstance(m, quant.QuantLinear) and m.parts[0].weight_format == "q8_0" for m in q8.projections().values())
+    assert isinstance(q8.model.embed_tokens, quant.QuantEmbedding)
+    ids = [1, 2, 3, 250, 11, 64]
+    want, got = logits(dense, ids), logits(q8, ids)
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+
+
+def test_engine_quantization_option(every_format_gguf):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, fp8, q8_0"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="quantization='fp8' runs on CUDA"):
+        EngineConfig(quantization="fp8")
+    llm = LLM(str(every_format_gguf), device="cpu", quantization="q8_0", num_pages=16, page_size=8)
+    assert "q8_0" in llm.engine.model.weight_formats()
