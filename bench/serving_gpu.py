@@ -8,8 +8,14 @@ Workloads (a Qwen3-8B-architecture model, bf16, random weights made on the GPU; 
   conc-N         N = 1, 2, 4, 8, 16, 32 prompts x 4,096 tokens, 128 output tokens
   shared-prefix  16 prompts of a 3,072-token shared prefix + 1,024 own tokens, 128 output tokens
 Implementations: this runtime on the UA kernels (uacompile-ua), the same runtime on the unified_masked kernel
-(llama.cpp's unified KV buffer: every token scans every sequence's pages; uacompile-unified), and Hugging Face
-transformers' generate with static batching on SDPA (hf-sdpa: all prompts prefilled together, then decoded together).
+(llama.cpp's unified KV buffer: every token scans every sequence's pages; uacompile-unified), Hugging Face
+transformers' generate with static batching on SDPA (hf-sdpa: all prompts prefilled together, then decoded together),
+and llama.cpp built with CUDA (llama.cpp: `llama-batched-bench -no-kvu`, a KV buffer a sequence, -fa on; all prompts
+prefilled, then decoded together; --llama-cpp BIN_DIR) on the same GGUF files.
+Weights (--weights, every row has a `weights` field): bf16 (random weights), q8_0 (a Q8_0 GGUF from --gguf, else the
+random weights quantised at load), q4_k (a Q4_K_M GGUF from --gguf: Q4_K with Q6_K rows), fp8 (random weights in e4m3
+rows, quantization="fp8"). A format's floors count its own bytes (the packed blocks a step reads) and, for fp8, the
+e4m3 matmul rate.
 Every request arrives at t = 0. Per request: TTFT = its first token's time; TPOT = (last token - first token) /
 (outputs - 1), which counts the prefill steps of later requests that run between its tokens; decode_step_ms = the
 median step while every request decodes (after the last first token, before the first finishes; for HF, TPOT);
@@ -36,7 +42,7 @@ import numpy as np
 import torch
 
 from uacompile.runtime.engine import Engine, EngineConfig
-from uacompile.runtime.loader import LoadedModel
+from uacompile.runtime.loader import LoadedModel, load
 from uacompile.runtime.model import ModelConfig
 from uacompile.runtime.sequence import SamplingParams
 
@@ -45,7 +51,8 @@ QWEN3_8B = dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_
                 max_position_embeddings=40960, qk_norm=True, torch_dtype="bfloat16")
 TINY = dict(arch="qwen3", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=16, max_position_embeddings=4096, qk_norm=True, torch_dtype="float32")
-IMPLS = ("uacompile-ua", "uacompile-unified", "hf-sdpa")
+IMPLS = ("uacompile-ua", "uacompile-unified", "hf-sdpa", "llama.cpp")
+WEIGHTS = ("bf16", "q8_0", "q4_k", "fp8")
 # the issue's targets on the seed workload (checked here, never by a test)
 TARGETS = {"tpot_vs_floor": 1.25, "prefill_vs_floor": 1.3, "ttft_vs_floor": 1.3, "vs_hf_output": 3.0,
            "ua_vs_unified_output": 2.5, "ua_vs_unified_ttft": 0.4}
@@ -89,6 +96,24 @@ def matmul_tflops(device) -> float:
     return 2 * 8192 ** 3 * n / (time.perf_counter() - t0) / 1e12
 
 
+def fp8_matmul_tflops(device) -> float:
+    """torch._scaled_mm's e4m3 rate (row-wise scales, bf16 out) on 8192^3: the fp8 prefill floor's rate."""
+    if device == "cpu":
+        return 0.1
+    a = torch.randn(8192, 8192, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device=device).to(torch.float8_e4m3fn).t()
+    sa, sb = torch.ones(8192, 1, device=device), torch.ones(1, 8192, device=device)
+    mm = lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # noqa: E731
+    for _ in range(3):
+        mm()
+    torch.cuda.synchronize()
+    t0, n = time.perf_counter(), 20
+    for _ in range(n):
+        mm()
+    torch.cuda.synchronize()
+    return 2 * 8192 ** 3 * n / (time.perf_counter() - t0) / 1e12
+
+
 def copy_gbps(device) -> float:
     if device == "cpu":
         return 10.0
@@ -114,9 +139,12 @@ def model_numbers(cfg: ModelConfig) -> tuple[float, float, float]:
     return params, weight_bytes, 2 * L * 2 * Hkv * D
 
 
-def floors(w: Workload, cfg: ModelConfig, tflops: float, gbps: float) -> tuple[float, float, float]:
-    """(ttft floor: prompts one after another, the mean finish; all prompts prefilled; tpot floor in ms)."""
-    params, weight_bytes, kv_token = model_numbers(cfg)
+def floors(w: Workload, cfg: ModelConfig, tflops: float, gbps: float, weight_bytes: float | None = None
+           ) -> tuple[float, float, float]:
+    """(ttft floor: prompts one after another, the mean finish; all prompts prefilled; tpot floor in ms). weight_bytes:
+    what a decode step reads of the weights in their format (default: bf16)."""
+    params, bf16_bytes, kv_token = model_numbers(cfg)
+    weight_bytes = bf16_bytes if weight_bytes is None else weight_bytes
     attn = lambda n: 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n / 2  # noqa: E731 (causal)
     times = [(2 * params * len(p) + attn(len(p))) / (tflops * 1e12) for p in w.prompts]
     finish = np.cumsum(times)
@@ -193,6 +221,47 @@ def run_hf(model, w: Workload, device) -> dict:
                 prefilled_s=ttft, wall_s=wall)
 
 
+def llama_cpp_runs(bin_dir: Path, gguf: Path, wls: list[Workload], log_dir: Path) -> dict[str, dict]:
+    """llama-batched-bench -no-kvu -fa on over the GGUF: the seed workload in one call, the conc-N sweep (4K prompts,
+    128 outputs) in another; {workload name: run dict}. TTFT = all prompts prefilled (T_PP), the decode step =
+    T_TG / TG (a step decodes every sequence), output tok/s = B * TG / T."""
+    import re
+    import subprocess
+
+    out = {}
+    calls = []
+    seed = [w for w in wls if w.name == "seed"]
+    conc = [w for w in wls if w.name.startswith("conc-")]
+    for group in (seed, conc):
+        if not group:
+            continue
+        pp, tg = len(group[0].prompts[0]), group[0].output_len
+        npl = [len(w.prompts) for w in group]
+        calls.append((group, [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(max(npl) * (pp + tg + 8)),
+                              "-b", "2048", "-ub", "512", "-npp", str(pp), "-ntg", str(tg),
+                              "-npl", ",".join(map(str, npl)), "-ngl", "99", "-fa", "on", "-no-kvu"]))
+    for group, cmd in calls:
+        print("$", " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        (log_dir / f"llama-cpp-{gguf.stem}-{group[0].name}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode:
+            print(f"llama.cpp failed ({proc.returncode}): {proc.stderr[-2000:]}", flush=True)
+            continue
+        for line in proc.stdout.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) < 10 or not re.fullmatch(r"\d+", cells[0]):
+                continue
+            pp, tg, b = int(cells[0]), int(cells[1]), int(cells[2])
+            t_pp, t_tg, t = float(cells[4]), float(cells[6]), float(cells[8])
+            w = next((w for w in group if len(w.prompts) == b), None)
+            if w is None:
+                continue
+            step = 1e3 * t_tg / tg
+            out[w.name] = dict(ttft=np.full(b, t_pp), tpot_ms=step, decode_step_ms=step, output_tok_s=b * tg / t,
+                               prefilled_s=t_pp, wall_s=t)
+    return out
+
+
 def hf_model(cfg: ModelConfig, device: str, dtype):
     import transformers as tf
 
@@ -212,9 +281,9 @@ def hf_model(cfg: ModelConfig, device: str, dtype):
     return model.eval()
 
 
-def row(w: Workload, impl: str, r: dict, fl: tuple) -> dict:
+def row(w: Workload, impl: str, weights: str, r: dict, fl: tuple) -> dict:
     ttft_floor, prefill_floor, tpot_floor = fl
-    return dict(workload=w.name, impl=impl, requests=len(w.prompts), prompt_len=len(w.prompts[0]),
+    return dict(workload=w.name, impl=impl, weights=weights, requests=len(w.prompts), prompt_len=len(w.prompts[0]),
                 output_len=w.output_len, ttft_mean_s=round(float(r["ttft"].mean()), 4),
                 ttft_p99_s=round(float(np.percentile(r["ttft"], 99)), 4), tpot_ms=round(r["tpot_ms"], 3),
                 decode_step_ms=round(r["decode_step_ms"], 3),
@@ -230,6 +299,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a toy model and short prompts (smoke test)")
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {IMPLS}")
     ap.add_argument("--workloads", default="", help="comma list (default: all: seed, conc-N, shared-prefix)")
+    ap.add_argument("--weights", default="bf16", help=f"comma list of {WEIGHTS}")
+    ap.add_argument("--gguf", action="append", default=[], metavar="FMT=PATH",
+                    help="a GGUF of the model in FMT (q8_0, q4_k: this runtime loads it; any FMT: llama.cpp's row)")
+    ap.add_argument("--llama-cpp", metavar="BIN_DIR", help="llama.cpp's build/bin (llama-batched-bench) for its rows")
     ap.add_argument("--rerender", metavar="JSON", help="rebuild the table and plot from a run's JSON")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -241,39 +314,73 @@ def main(argv=None) -> int:
     bad = [i for i in impls if i not in IMPLS]
     if bad:
         ap.error(f"--impls: unknown {bad}; choose from {IMPLS}")
+    formats = [f for f in args.weights.split(",") if f]
+    bad = [f for f in formats if f not in WEIGHTS]
+    if bad:
+        ap.error(f"--weights: unknown {bad}; choose from {WEIGHTS}")
+    ggufs = {}
+    for spec in args.gguf:
+        fmt, _, path = spec.partition("=")
+        if fmt not in WEIGHTS or not path:
+            ap.error(f"--gguf: want FMT=PATH with FMT in {WEIGHTS}, got {spec!r}")
+        ggufs[fmt] = path
+    if "q4_k" in formats and "q4_k" not in ggufs:
+        ap.error("--weights q4_k needs --gguf q4_k=PATH (a Q4_K_M GGUF: llama-quantize makes one)")
     cfg = ModelConfig(**(TINY if args.tiny else QWEN3_8B))
     rng = np.random.default_rng(0)
     wls = workloads(args.tiny, rng, set(filter(None, args.workloads.split(","))))
     tflops, gbps = matmul_tflops(args.device), copy_gbps(args.device)
-    print(f"floors: bf16 matmul {tflops:.0f} TFLOP/s, copy {gbps:.0f} GB/s", flush=True)
-    fl = {w.name: floors(w, cfg, tflops, gbps) for w in wls}
+    fp8_tflops = fp8_matmul_tflops(args.device) if "fp8" in formats else None
+    print(f"floors: bf16 matmul {tflops:.0f} TFLOP/s, copy {gbps:.0f} GB/s"
+          + (f", fp8 matmul {fp8_tflops:.0f} TFLOP/s" if fp8_tflops else ""), flush=True)
     max_len = max(len(p) for w in wls for p in w.prompts) + max(w.output_len for w in wls) + 16
-    rows = []
-    for impl in impls:
-        t0 = time.perf_counter()
-        if impl.startswith("uacompile"):
-            ec = EngineConfig(device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
-                              attention_variant="unified_masked" if impl.endswith("unified") else "ua")
-            runner = Engine(LoadedModel(cfg, None, None), ec, max_model_len=max_len, max_num_seqs=32,
-                            **({} if args.device == "cuda" else dict(num_pages=4096)))
-            run = lambda w, e=runner: run_engine(e, w)  # noqa: E731
-        else:
-            runner = hf_model(cfg, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
-            run = lambda w, m=runner: run_hf(m, w, args.device)  # noqa: E731
-        print(f"{impl}: ready in {time.perf_counter() - t0:.1f} s", flush=True)
-        run(Workload("warm-up", [w.prompts[0][:256] for w in wls[:1]], 4))
-        for w in wls:
-            r = row(w, impl, run(w), fl[w.name])
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-        del runner, run  # the next implementation profiles the GPU's free memory: give this one's back first
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    rows, read_bytes = [], {}
+    for fmt in formats:
+        for impl in impls:
+            if impl == "llama.cpp" or (fmt != "bf16" and impl != "uacompile-ua"):
+                continue
+            t0 = time.perf_counter()
+            if impl.startswith("uacompile"):
+                ec = EngineConfig(device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
+                                  attention_variant="unified_masked" if impl.endswith("unified") else "ua",
+                                  quantization={"fp8": "fp8", "q8_0": "q8_0"}.get(fmt, "auto"))
+                source = load(ggufs[fmt]) if fmt in ggufs and fmt != "bf16" else LoadedModel(cfg, None, None)
+                runner = Engine(source, ec, max_model_len=max_len, max_num_seqs=32,
+                                **({} if args.device == "cuda" else dict(num_pages=4096)))
+                del source
+                read_bytes[fmt] = runner.model.decode_read_bytes()
+                print(f"{impl} {fmt}: weights {runner.model.weight_formats()}, a decode step reads "
+                      f"{read_bytes[fmt] / 1e9:.2f} GB of them", flush=True)
+                run = lambda w, e=runner: run_engine(e, w)  # noqa: E731
+            else:
+                runner = hf_model(cfg, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
+                run = lambda w, m=runner: run_hf(m, w, args.device)  # noqa: E731
+            print(f"{impl} {fmt}: ready in {time.perf_counter() - t0:.1f} s", flush=True)
+            run(Workload("warm-up", [w.prompts[0][:256] for w in wls[:1]], 4))
+            for w in wls:
+                rate = fp8_tflops if fmt == "fp8" else tflops
+                r = row(w, impl, fmt, run(w), floors(w, cfg, rate, gbps, read_bytes.get(fmt)))
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            del runner, run  # the next implementation profiles the GPU's free memory: give this one's back first
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    if "llama.cpp" in impls and args.llama_cpp:
+        for fmt in formats:
+            if fmt not in ggufs:
+                print(f"llama.cpp {fmt}: no --gguf {fmt}=PATH, no row", flush=True)
+                continue
+            for name, r in llama_cpp_runs(Path(args.llama_cpp), Path(ggufs[fmt]), wls, out).items():
+                w = next(w for w in wls if w.name == name)
+                rows.append(row(w, "llama.cpp", fmt, r, floors(w, cfg, tflops, gbps, read_bytes.get(fmt))))
+                print(json.dumps(rows[-1]), flush=True)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    meta = dict(gpu=gpu, date=dt.date.today().isoformat(), model="Qwen3-8B architecture, bf16, random weights"
-                if not args.tiny else "tiny qwen3", torch=torch.__version__,
-                floors=dict(matmul_tflops=round(tflops, 1), copy_gbps=round(gbps, 1)),
+    meta = dict(gpu=gpu, date=dt.date.today().isoformat(), model="Qwen3-8B architecture"
+                if not args.tiny else "tiny qwen3", weights=formats, torch=torch.__version__,
+                floors=dict(matmul_tflops=round(tflops, 1), copy_gbps=round(gbps, 1),
+                            fp8_matmul_tflops=round(fp8_tflops, 1) if fp8_tflops else None,
+                            decode_weight_gb={f: round(b / 1e9, 3) for f, b in read_bytes.items()}),
                 command="UA_SKIP_TESTS=1 UA_BENCH_SCRIPT='bench/serving_gpu.py --out $OUT' bash bench/run_device.sh",
                 rows=rows)
     return report(meta, out)
@@ -281,8 +388,8 @@ def main(argv=None) -> int:
 
 # ---------------------------------------------------------------- the report
 def target_checks(rows: list[dict]) -> list[dict]:
-    by = {(r["workload"], r["impl"]): r for r in rows}
-    ua, uni, hf = (by.get(("seed", i)) for i in IMPLS)
+    by = {(r["workload"], r["impl"], r.get("weights", "bf16")): r for r in rows}
+    ua, uni, hf = (by.get(("seed", i, "bf16")) for i in IMPLS[:3])
     checks = []
 
     def check(name, value, target, le=True):
@@ -300,6 +407,26 @@ def target_checks(rows: list[dict]) -> list[dict]:
     if ua and uni:
         check("aggregate output / unified_masked >= 2.5", ua["output_tok_s"] / uni["output_tok_s"], 2.5, le=False)
         check("mean TTFT / unified_masked <= 0.4", ua["ttft_mean_s"] / uni["ttft_mean_s"], 0.4)
+    q8, q8_lcpp = by.get(("seed", "uacompile-ua", "q8_0")), by.get(("seed", "llama.cpp", "q8_0"))
+    if q8:
+        check("Q8_0 seed: decode step / Q8_0 floor <= 1.2", q8["decode_step_ms"] / q8["tpot_floor_ms"], 1.2)
+    if q8 and q8_lcpp:
+        check("Q8_0 seed: aggregate output / llama.cpp Q8_0 >= 3", q8["output_tok_s"] / q8_lcpp["output_tok_s"], 3.0,
+              le=False)
+    fp8 = by.get(("seed", "uacompile-ua", "fp8"))
+    if fp8:
+        check("FP8 seed: all 8 prompts prefilled / FP8 matmul floor <= 1.2", fp8["prefilled_s"] / fp8["prefill_floor_s"],
+              1.2)
+    for (name, impl, fmt), r in sorted(by.items()):
+        if impl != "uacompile-ua" or not name.startswith("conc-"):
+            continue
+        n = r["requests"]
+        bound = 1.15 if n == 1 else 1.2
+        check(f"{name} {fmt}: decode step / floor <= {bound}", r["decode_step_ms"] / r["tpot_floor_ms"], bound)
+        peer = by.get((name, "llama.cpp", fmt))
+        if peer:
+            check(f"{name} {fmt}: decode speed / llama.cpp's >= 1.3", peer["decode_step_ms"] / r["decode_step_ms"], 1.3,
+                  le=False)
     return checks
 
 
@@ -308,13 +435,13 @@ def report(meta: dict, out: Path) -> int:
     meta["targets"] = target_checks(rows)
     stem = out / f"serving-{meta['date']}"
     stem.with_suffix(".json").write_text(json.dumps(meta, indent=1))
-    cols = ["workload", "impl", "ttft_mean_s", "ttft_p99_s", "tpot_ms", "decode_step_ms", "output_tok_s", "ttft_floor_s",
+    cols = ["workload", "impl", "weights", "ttft_mean_s", "ttft_p99_s", "tpot_ms", "decode_step_ms", "output_tok_s", "ttft_floor_s",
             "tpot_floor_ms"]
     lines = [f"# Serving, {meta['gpu']}, {meta['date']}", "", f"Model: {meta['model']}. Floors measured in the run: "
              f"bf16 matmul {meta['floors']['matmul_tflops']} TFLOP/s, copy {meta['floors']['copy_gbps']} GB/s.", "",
              f"Command: `{meta['command']}`", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    lines += ["", "## Targets (seed workload)", "", "| target | value | met |", "|---|---:|---|"]
+    lines += ["| " + " | ".join(str(r.get(c, "bf16" if c == "weights" else "")) for c in cols) + " |" for r in rows]
+    lines += ["", "## Targets", "", "| target | value | met |", "|---|---:|---|"]
     lines += [f"| {c['target']} | {c['value']} | {'yes' if c['met'] else 'no'} |" for c in meta["targets"]]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -332,14 +459,17 @@ def plot(meta: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = meta["rows"]
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+    series = sorted({(r["impl"], r.get("weights", "bf16")) for r in rows},
+                    key=lambda s: (IMPLS.index(s[0]) if s[0] in IMPLS else 99, s[1]))
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     conc = sorted({r["requests"] for r in rows if r["workload"].startswith("conc-")})
-    for impl in impls:
-        rs = {r["requests"]: r for r in rows if r["impl"] == impl and r["workload"].startswith("conc-")}
+    for impl, fmt in series:
+        rs = {r["requests"]: r for r in rows if r["impl"] == impl and r.get("weights", "bf16") == fmt
+              and r["workload"].startswith("conc-")}
         xs = [c for c in conc if c in rs]
-        axes[0].plot(xs, [rs[c]["output_tok_s"] for c in xs], marker="o", label=impl)
-        axes[1].plot(xs, [rs[c]["ttft_mean_s"] for c in xs], marker="o", label=impl)
+        ls = "--" if impl == "llama.cpp" else "-"
+        axes[0].plot(xs, [rs[c]["output_tok_s"] for c in xs], marker="o", ls=ls, label=f"{impl} {fmt}")
+        axes[1].plot(xs, [rs[c]["ttft_mean_s"] for c in xs], marker="o", ls=ls, label=f"{impl} {fmt}")
     axes[0].set(xscale="log", yscale="log", xlabel="concurrent requests (4K prompts)", ylabel="output tok/s",
                 title="Throughput")
     axes[1].set(xscale="log", yscale="log", xlabel="concurrent requests (4K prompts)", ylabel="mean TTFT (s)",
@@ -350,9 +480,10 @@ def plot(meta: dict, path: Path) -> None:
         axes[2].bar(x - 0.27, [r["decode_step_ms"] for r in seed], 0.27, label="decode step (ms)")
         axes[2].bar(x, [r["tpot_ms"] for r in seed], 0.27, label="TPOT (ms)")
         axes[2].bar(x + 0.27, [r["ttft_mean_s"] * 1e3 for r in seed], 0.27, label="mean TTFT (ms)")
-        axes[2].axhline(seed[0]["tpot_floor_ms"], color="k", ls="--", lw=1, label="decode floor")
+        axes[2].scatter(x - 0.27, [r["tpot_floor_ms"] for r in seed], color="k", marker="_", s=200, zorder=3,
+                        label="decode floor (its format)")
         axes[2].axhline(seed[0]["ttft_floor_s"] * 1e3, color="grey", ls=":", lw=1, label="TTFT floor")
-        axes[2].set_xticks(x, [r["impl"] for r in seed], fontsize=8)
+        axes[2].set_xticks(x, [f"{r['impl']}\n{r.get('weights', 'bf16')}" for r in seed], fontsize=7)
         axes[2].set(yscale="log", ylabel="ms", title="Seed: 8 x 16K prompts, 256 outputs")
     for ax in axes:
         ax.legend(fontsize=8)

@@ -415,6 +415,14 @@ class LlamaForCausalLM(nn.Module):
                 total += t.nbytes
         return total
 
+    def decode_read_bytes(self) -> int:
+        """The weight bytes a decode step reads: every projection and the lm_head whole (the embedding only gathers
+        rows), in the form they are stored (packed, e4m3 + scales, or dense)."""
+        from .quant import linear_weight_bytes
+
+        heads = [] if not self.cfg.tie_word_embeddings else [self.lm_head]
+        return sum(linear_weight_bytes(m) for m in [*self.projections().values(), *heads])
+
     def projections(self) -> dict[str, nn.Module]:
         """The matmul layers by module path: each layer's qkv, o, gate_up and down projections, and an untied lm_head."""
         out = {}

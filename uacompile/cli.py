@@ -305,6 +305,9 @@ def _add_serve(sub) -> None:
     s.add_argument("--preemption", default=None, help="recompute | swap")
     s.add_argument("--kernel-backend", default=None, help="auto | tvm-cpu | cuda | reference")
     s.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="model dtype (default: float32 on the CPU, the checkpoint's 16-bit type on CUDA)")
+    s.add_argument("--quantization", default=None, choices=["auto", "none", "fp8", "q8_0"],
+                   help="weights: auto (block-quantised GGUF weights stay packed where the backend runs them), none "
+                        "(decode all to --dtype), q8_0 or fp8 (quantise float weights at load; fp8 on CUDA)")
     s.add_argument("--cpu-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     s.add_argument("--seed", type=int, default=None, help="seed of requests that bring none")
     s.add_argument("--max-queue", type=int, default=256,

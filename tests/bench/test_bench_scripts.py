@@ -334,3 +334,30 @@ def test_serving_benchmark_runs_end_to_end_on_a_toy_model(tmp_path):
     assert next(tmp_path.glob("serving-*.md")).read_text().count("| conc-2 |") == 2
     if importlib.util.find_spec("matplotlib"):
         assert next(tmp_path.glob("serving-*.png")).stat().st_size > 10_000
+
+
+LLAMA_BATCHED_BENCH = """main: n_kv_max = 8448, n_batch = 2048, n_ubatch = 512, flash_attn = 1
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|    64 |      8 |    1 |     72 |    0.050 |  1280.00 |    0.080 |   100.00 |    0.130 |   553.85 |
+|    64 |      8 |    2 |    144 |    0.090 |  1422.22 |    0.100 |   160.00 |    0.190 |   757.89 |
+"""
+
+
+def test_serving_benchmark_reads_llama_batched_bench(tmp_path, monkeypatch):
+    """serving_gpu.llama_cpp_runs over a stand-in llama-batched-bench: the decode step is T_TG / TG, TTFT all the
+    prompts' prefill (T_PP), output tok/s B * TG / T; the command asks -no-kvu and a context for every sequence."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sg = importlib.import_module("serving_gpu")
+    fake = tmp_path / "llama-batched-bench"
+    fake.write_text("#!/bin/sh\necho \"$@\" > " + str(tmp_path / "args") + "\ncat <<'EOF'\n" + LLAMA_BATCHED_BENCH + "EOF\n")
+    fake.chmod(0o755)
+    wls = [sg.Workload(f"conc-{n}", [[1] * 64 for _ in range(n)], 8) for n in (1, 2)]
+    runs = sg.llama_cpp_runs(tmp_path, tmp_path / "m.gguf", wls, tmp_path)
+    assert set(runs) == {"conc-1", "conc-2"}
+    assert runs["conc-2"]["decode_step_ms"] == pytest.approx(12.5) and runs["conc-2"]["prefilled_s"] == 0.09
+    assert runs["conc-2"]["output_tok_s"] == pytest.approx(2 * 8 / 0.19)
+    args = (tmp_path / "args").read_text().split()
+    assert "-no-kvu" in args and args[args.index("-npl") + 1] == "1,2" and int(args[args.index("-c") + 1]) >= 2 * 72
+    row = sg.row(wls[1], "llama.cpp", "q8_0", runs["conc-2"], (0.1, 0.1, 1.0))
+    assert row["impl"].startswith("llama.cpp") and row["weights"] == "q8_0" and row["decode_step_ms"] == 12.5
