@@ -111,3 +111,44 @@ def gguf_writer(path, arch: str, cfg):
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     return w
+
+
+# a 2-layer llama (permuted Q/K rows) whose projections use all six GGUF block formats, runs of formats within the
+# fused q/k/v and gate/up, and a tied Q8_0 embedding
+EVERY_FORMAT_SHAPE = dict(E=256, F=512, H=4, HKV=2, D=64, V=320)
+EVERY_FORMAT_LAYERS = [("q4_k", "q4_k", "q6_k", "q5_k", "q4_0", "q4_1", "q8_0"),
+                       ("q8_0", "q6_k", "q6_k", "q4_1", "q5_k", "q5_k", "q4_k")]  # q, k, v, o, gate, up, down
+
+
+def write_every_format_gguf(path, seed: int = 3):
+    """Write the every-format model (random blocks, testing.random_quant_weight) to path; returns path."""
+    from types import SimpleNamespace
+
+    import gguf
+
+    from uacompile import ir, testing
+
+    s = EVERY_FORMAT_SHAPE
+    E, F_, H, HKV, D, V = s["E"], s["F"], s["H"], s["HKV"], s["D"], s["V"]
+    shapes = {"attn_q": (H * D, E), "attn_k": (HKV * D, E), "attn_v": (HKV * D, E), "attn_output": (E, H * D),
+              "ffn_gate": (F_, E), "ffn_up": (F_, E), "ffn_down": (E, F_)}
+    rng = np.random.default_rng(seed)
+    cfg = SimpleNamespace(max_position_embeddings=256, hidden_size=E, intermediate_size=F_,
+                          num_hidden_layers=len(EVERY_FORMAT_LAYERS), num_attention_heads=H, num_key_value_heads=HKV,
+                          head_dim=D, rope_parameters={"rope_theta": 10000.0}, rms_norm_eps=1e-5)
+    w = gguf_writer(path, "llama", cfg)
+
+    def add(name, fmt, rows, cols, scale=0.05):
+        raw = testing.random_quant_weight(rng, fmt, rows, cols, scale)
+        w.add_tensor(name, raw, raw_shape=raw.shape,
+                     raw_dtype=getattr(gguf.GGMLQuantizationType, ir.WEIGHT_FORMATS[fmt].gguf))
+
+    add("token_embd.weight", "q8_0", V, E, 1.0)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(E)).astype(np.float32))
+    for i, formats in enumerate(EVERY_FORMAT_LAYERS):
+        for name, fmt in zip(shapes, formats):
+            add(f"blk.{i}.{name}.weight", fmt, *shapes[name])
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(E)).astype(np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path

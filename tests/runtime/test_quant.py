@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_helpers import gguf_writer  # noqa: E402
+from model_helpers import EVERY_FORMAT_SHAPE, write_every_format_gguf  # noqa: E402
 
 from uacompile import ir, reference, testing
 from uacompile.runtime import LLM
@@ -49,43 +49,12 @@ def test_fp8_rows_scale_each_row_to_its_maximum(rng):
 
 
 # ---------------------------------------------------------------- a GGUF of every format
-E, F_, H, HKV, D, V, LAYERS = 256, 512, 4, 2, 64, 320, 2
-# per layer: q, k, v, o, gate, up, down; q/k/v and gate/up fuse, so a layer's fused qkv holds runs of formats
-LAYER_FORMATS = [("q4_k", "q4_k", "q6_k", "q5_k", "q4_0", "q4_1", "q8_0"),
-                 ("q8_0", "q6_k", "q6_k", "q4_1", "q5_k", "q5_k", "q4_k")]
-NAMES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-
-
-def shape_of(name):
-    return {"attn_q": (H * D, E), "attn_k": (HKV * D, E), "attn_v": (HKV * D, E), "attn_output": (E, H * D),
-            "ffn_gate": (F_, E), "ffn_up": (F_, E), "ffn_down": (E, F_)}[name]
+E, H, HKV, D = EVERY_FORMAT_SHAPE["E"], EVERY_FORMAT_SHAPE["H"], EVERY_FORMAT_SHAPE["HKV"], EVERY_FORMAT_SHAPE["D"]
 
 
 @pytest.fixture(scope="module")
 def every_format_gguf(tmp_path_factory):
-    """A 2-layer llama (permuted Q/K rows) whose projections use all six formats, with a tied Q8_0 embedding."""
-    from types import SimpleNamespace
-
-    rng = np.random.default_rng(3)
-    path = tmp_path_factory.mktemp("quant") / "every-format.gguf"
-    cfg = SimpleNamespace(max_position_embeddings=256, hidden_size=E, intermediate_size=F_, num_hidden_layers=LAYERS,
-                          num_attention_heads=H, num_key_value_heads=HKV, head_dim=D,
-                          rope_parameters={"rope_theta": 10000.0}, rms_norm_eps=1e-5)
-    w = gguf_writer(path, "llama", cfg)
-
-    def add(name, fmt, rows, cols, scale=0.05):
-        raw = testing.random_quant_weight(rng, fmt, rows, cols, scale)
-        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=getattr(Q, ir.WEIGHT_FORMATS[fmt].gguf))
-
-    add("token_embd.weight", "q8_0", V, E, 1.0)
-    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(E)).astype(np.float32))
-    for i, formats in enumerate(LAYER_FORMATS):
-        for name, fmt in zip(NAMES, formats):
-            add(f"blk.{i}.{name}.weight", fmt, *shape_of(name))
-        for norm in ("attn_norm", "ffn_norm"):
-            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(E)).astype(np.float32))
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    return path
+    return write_every_format_gguf(tmp_path_factory.mktemp("quant") / "every-format.gguf")
 
 
 def causal_attention(layer, q, k, v):
