@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The weights-format serving table on the device, beside llama.cpp built there with CUDA, across several `run` calls
+# that keep the machine warm (each phase picks up what the last left in /tmp; carry [".whl", ".peers"]):
+#   bash bench/weights_device.sh start          # llama.cpp's build in the background, the Qwen3-8B bf16 GGUF, GPU tests
+#   bash bench/weights_device.sh quantize bench # wait for the build, llama-quantize Q8_0 and Q4_K_M, start the table
+#   bash bench/weights_device.sh wait           # wait for the table (up to UA_WAIT seconds), copy it to $OUT
+# .peers holds llama.cpp.tgz, build_on_device.sh and make_qwen3_gguf.py (../shared/tools/llama_cpp: prepare.sh).
+# UA_BENCH_ARGS adds serving_gpu.py arguments (default: the seed and the 1-32 sweep in bf16, q8_0, q4_k and fp8).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ua-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 UACOMPILE_CACHE_DIR=${UACOMPILE_CACHE_DIR:-/tmp/ua-cache}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/pkg . || exit 1
+export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONSAFEPATH=1
+LCPP=/tmp/lcpp/build/bin
+M=/tmp/models
+mkdir -p $M /tmp/serving
+rc=0
+for phase in "$@"; do
+  case $phase in
+    start)
+      if [ ! -x $LCPP/llama-quantize ] && ! pgrep -f build_on_device.sh >/dev/null; then
+        setsid nohup bash .peers/build_on_device.sh .peers/llama.cpp.tgz > /tmp/lcpp.log 2>&1 < /dev/null &
+      fi
+      [ -f $M/q3-bf16.gguf ] || python3 .peers/make_qwen3_gguf.py $M/q3-bf16.gguf 8b || rc=1
+      if [ -n "${UA_GPU_TESTS:-}" ]; then
+        python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -x $UA_GPU_TESTS 2>&1 | tee "$OUT/pytest-gpu.log"
+        rc=$(( rc || PIPESTATUS[0] ))
+      fi
+      ;;
+    quantize)
+      for _ in $(seq 1 120); do [ -x $LCPP/llama-quantize ] && break; grep -q FAILED /tmp/lcpp.log && break; sleep 5; done
+      tail -3 /tmp/lcpp.log
+      [ -f $M/q3-q8_0.gguf ] || $LCPP/llama-quantize $M/q3-bf16.gguf $M/q3-q8_0.gguf Q8_0 16 > /tmp/quant-q8.log 2>&1 || rc=1
+      [ -f $M/q3-q4_k_m.gguf ] || $LCPP/llama-quantize $M/q3-bf16.gguf $M/q3-q4_k_m.gguf Q4_K_M 16 > /tmp/quant-q4.log 2>&1 || rc=1
+      ls -la $M
+      ;;
+    bench)
+      setsid nohup python3 bench/serving_gpu.py --out /tmp/serving --impls uacompile-ua,llama.cpp \
+        --weights ${UA_WEIGHTS:-bf16,q8_0,q4_k,fp8} --gguf bf16=$M/q3-bf16.gguf --gguf q8_0=$M/q3-q8_0.gguf \
+        --gguf q4_k=$M/q3-q4_k_m.gguf --llama-cpp $LCPP ${UA_BENCH_ARGS:-} > /tmp/serving/bench.log 2>&1 < /dev/null &
+      echo "serving table started (pid $!)"
+      ;;
+    wait)
+      for _ in $(seq 1 $(( ${UA_WAIT:-540} / 5 ))); do pgrep -f serving_gpu.py >/dev/null || break; sleep 5; done
+      pgrep -f serving_gpu.py >/dev/null && echo "serving table still running"
+      cp /tmp/serving/serving-* /tmp/serving/bench.log "$OUT"/ 2>/dev/null
+      tar czf "$OUT/llama-cpp-logs.tgz" -C /tmp/serving $(cd /tmp/serving && ls llama-cpp-*.log 2>/dev/null) /tmp/lcpp.log 2>/dev/null
+      tail -60 /tmp/serving/bench.log
+      ;;
+    *) echo "unknown phase $phase (start | quantize | bench | wait)"; exit 2 ;;
+  esac
+done
+exit $rc
