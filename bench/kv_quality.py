@@ -8,8 +8,8 @@ Per model, model dtype and cache (auto: the model's dtype; int8; fp8_e4m3), on t
                position attends the K/V the cache holds (quantised for 8 bits), its own chunk's included
   greedy       64 tokens from each of PROMPTS; against the auto cache's tokens: the leading tokens that agree
                (mean, min, and the prompts that agree on all 64) and the share of positions with the same token
-Writes kv-quality-<date>.json and .md to --out (with --merge, adds to that day's file: one row per model, dtype
-and cache).
+Writes kv-quality-<date>.json and .md to --out (with --merge, adds to that day's file: one row per model, model
+dtype and cache).
 """
 from __future__ import annotations
 
@@ -128,6 +128,19 @@ def report(meta: dict, out: Path) -> None:
     print("\n".join(lines))
 
 
+def command_args(argv) -> list[str]:
+    """The run's arguments for the report, its --note texts left out (the notes list holds them)."""
+    args, out, skip = list(argv if argv is not None else sys.argv[1:]), [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--note":
+            skip = True
+        elif not a.startswith("--note="):
+            out.append(a)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(STORIES260K), help="a .gguf or HF folder (default: stories260K)")
@@ -135,7 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="float16,float32", help="model dtypes, comma list (default float16,float32)")
     ap.add_argument("--page-size", type=int, default=16, help="KV positions a page (default 16)")
     ap.add_argument("--out", default="bench/results", help="folder for kv-quality-<date>.json/.md")
-    ap.add_argument("--merge", action="store_true", help="add the rows to that day's file (other models' rows kept)")
+    ap.add_argument("--merge", action="store_true",
+                    help="add the rows to that day's file (rows of other models and model dtypes kept)")
     ap.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -144,13 +158,14 @@ def main(argv=None) -> int:
     rows = [r for d in args.dtypes.split(",") if d for r in measure(args.model, name, d, args.page_size)]
     date = dt.date.today().isoformat()
     meta = dict(date=date, host=f"{platform.machine()} CPU", torch=torch.__version__, text_words=len(TEXT.split()),
-                command="python3 bench/kv_quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                command=" ".join(["python3 bench/kv_quality.py", *command_args(argv)]),
                 notes=list(args.note), rows=rows)
     path = out / f"kv-quality-{date}.json"
     if args.merge and path.exists():
         old = json.loads(path.read_text())
-        meta["rows"] = [r for r in old["rows"] if r["model"] != name] + rows
-        meta["notes"] = old.get("notes", []) + meta["notes"]
+        new = {(r["model"], r["model_dtype"]) for r in rows}
+        meta["rows"] = [r for r in old["rows"] if (r["model"], r["model_dtype"]) not in new] + rows
+        meta["notes"] = old.get("notes", []) + [n for n in meta["notes"] if n not in old.get("notes", [])]
         meta["command"] = old["command"] + "; " + meta["command"]
     report(meta, out)
     return 0
