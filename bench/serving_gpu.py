@@ -2,6 +2,7 @@
 
     python3 bench/serving_gpu.py --out DIR            # on the device (bench/run_device.sh, UA_BENCH_SCRIPT)
     python3 bench/serving_gpu.py --tiny --device cpu  # the same code on a toy model (a smoke test)
+    python3 bench/serving_gpu.py --kv-cache-dtype fp8_e4m3 --impls uacompile-ua   # the runtime on an 8-bit KV cache
 
 Workloads (a Qwen3-8B-architecture model, bf16, random weights made on the GPU; greedy, ignore_eos):
   seed           8 prompts x 16,384 tokens, 256 output tokens each
@@ -23,8 +24,12 @@ aggregate output tok/s = all output tokens / the wall time of the workload.
 Floors, measured in the same run: prefill FLOPs (2 x params x tokens + causal attention) at the measured bf16 matmul
 rate; a decode step's bytes (weights + every running sequence's KV) at the measured copy bandwidth. ttft_floor_s:
 prompts prefilled one after another at full rate, the mean of their finish times (the seed: 1.76 s on the H200);
-tpot_floor_ms: the mean step floor over the decode.
-Writes serving-<date>.json (gpu, date, model, floors, rows), serving-<date>.md and serving-<date>.png to --out.
+tpot_floor_ms: the mean step floor over the decode. --kv-cache-dtype (auto | bf16 | fp16 | fp8_e4m3 | int8) sets
+the runtime's KV cache (EngineConfig.kv_cache_dtype; HF keeps its model-dtype cache, llama.cpp its f16 one) and the
+KV bytes of its rows' decode floor (8-bit: the elements and their float32 scales); each row names its cache in
+kv_cache_dtype.
+Writes serving-<date>.json (gpu, date, model, floors, kv_cache_dtype, rows), serving-<date>.md and serving-<date>.png
+to --out (serving-<date>-kv-<dtype>.* with --kv-cache-dtype other than auto).
 """
 from __future__ import annotations
 
@@ -41,8 +46,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from uacompile.runtime.engine import Engine, EngineConfig
+from uacompile.runtime.engine import KV_CACHE_DTYPES, Engine, EngineConfig, kv_dtype_of
 from uacompile.runtime.loader import LoadedModel, load
+from uacompile.runtime.memory import page_bytes
 from uacompile.runtime.model import ModelConfig
 from uacompile.runtime.sequence import SamplingParams
 
@@ -129,21 +135,21 @@ def copy_gbps(device) -> float:
     return 2 * x.numel() * n / (time.perf_counter() - t0) / 1e9
 
 
-def model_numbers(cfg: ModelConfig) -> tuple[float, float, float]:
-    """(parameters, weight bytes a decode step reads, KV bytes a token)."""
+def model_numbers(cfg: ModelConfig, kv_dtype: str = "bf16") -> tuple[float, float, float]:
+    """(parameters, weight bytes a decode step reads in bf16, KV bytes a token in kv_dtype, scales included)."""
     E, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     per_layer = E * (H + 2 * Hkv) * D + H * D * E + 3 * E * F
     params = L * per_layer + 2 * V * E
     weight_bytes = 2 * (L * per_layer + V * E)  # the embedding is gathered, the lm_head read whole
-    return params, weight_bytes, 2 * L * 2 * Hkv * D
+    return params, weight_bytes, page_bytes(L, Hkv, D, 1, kv_dtype)
 
 
-def floors(w: Workload, cfg: ModelConfig, tflops: float, gbps: float, weight_bytes: float | None = None
-           ) -> tuple[float, float, float]:
+def floors(w: Workload, cfg: ModelConfig, tflops: float, gbps: float, weight_bytes: float | None = None,
+           kv_dtype: str = "bf16") -> tuple[float, float, float]:
     """(ttft floor: prompts one after another, the mean finish; all prompts prefilled; tpot floor in ms). weight_bytes:
-    what a decode step reads of the weights in their format (default: bf16)."""
-    params, bf16_bytes, kv_token = model_numbers(cfg)
+    what a decode step reads of the weights in their format (default: bf16); kv_dtype: the KV cache's (IR name)."""
+    params, bf16_bytes, kv_token = model_numbers(cfg, kv_dtype)
     weight_bytes = bf16_bytes if weight_bytes is None else weight_bytes
     attn = lambda n: 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n / 2  # noqa: E731 (causal)
     times = [(2 * params * len(p) + attn(len(p))) / (tflops * 1e12) for p in w.prompts]
@@ -281,9 +287,10 @@ def hf_model(cfg: ModelConfig, device: str, dtype):
     return model.eval()
 
 
-def row(w: Workload, impl: str, weights: str, r: dict, fl: tuple) -> dict:
+def row(w: Workload, impl: str, weights: str, r: dict, fl: tuple, kv_cache_dtype: str) -> dict:
     ttft_floor, prefill_floor, tpot_floor = fl
-    return dict(workload=w.name, impl=impl, weights=weights, requests=len(w.prompts), prompt_len=len(w.prompts[0]),
+    return dict(workload=w.name, impl=impl, weights=weights, kv_cache_dtype=kv_cache_dtype, requests=len(w.prompts),
+                prompt_len=len(w.prompts[0]),
                 output_len=w.output_len, ttft_mean_s=round(float(r["ttft"].mean()), 4),
                 ttft_p99_s=round(float(np.percentile(r["ttft"], 99)), 4), tpot_ms=round(r["tpot_ms"], 3),
                 decode_step_ms=round(r["decode_step_ms"], 3),
@@ -303,6 +310,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", action="append", default=[], metavar="FMT=PATH",
                     help="a GGUF of the model in FMT (q8_0, q4_k: this runtime loads it; any FMT: llama.cpp's row)")
     ap.add_argument("--llama-cpp", metavar="BIN_DIR", help="llama.cpp's build/bin (llama-batched-bench) for its rows")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="the runtime's KV cache (default auto: the model's, bf16 on cuda); HF and llama.cpp keep theirs")
     ap.add_argument("--rerender", metavar="JSON", help="rebuild the table and plot from a run's JSON")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -334,6 +343,8 @@ def main(argv=None) -> int:
     print(f"floors: bf16 matmul {tflops:.0f} TFLOP/s, copy {gbps:.0f} GB/s"
           + (f", fp8 matmul {fp8_tflops:.0f} TFLOP/s" if fp8_tflops else ""), flush=True)
     max_len = max(len(p) for w in wls for p in w.prompts) + max(w.output_len for w in wls) + 16
+    model_kv = kv_dtype_of("auto", torch.bfloat16 if args.device == "cuda" else torch.float32)
+    kv_dtype = kv_dtype_of(args.kv_cache_dtype, torch.bfloat16 if args.device == "cuda" else torch.float32)
     rows, read_bytes = [], {}
     for fmt in formats:
         for impl in impls:
@@ -343,7 +354,8 @@ def main(argv=None) -> int:
             if impl.startswith("uacompile"):
                 ec = EngineConfig(device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
                                   attention_variant="unified_masked" if impl.endswith("unified") else "ua",
-                                  quantization={"fp8": "fp8", "q8_0": "q8_0"}.get(fmt, "auto"))
+                                  quantization={"fp8": "fp8", "q8_0": "q8_0"}.get(fmt, "auto"),
+                                  kv_cache_dtype=args.kv_cache_dtype)
                 source = load(ggufs[fmt]) if fmt in ggufs and fmt != "bf16" else LoadedModel(cfg, None, None)
                 runner = Engine(source, ec, max_model_len=max_len, max_num_seqs=32,
                                 **({} if args.device == "cuda" else dict(num_pages=4096)))
@@ -359,7 +371,8 @@ def main(argv=None) -> int:
             run(Workload("warm-up", [w.prompts[0][:256] for w in wls[:1]], 4))
             for w in wls:
                 rate = fp8_tflops if fmt == "fp8" else tflops
-                r = row(w, impl, fmt, run(w), floors(w, cfg, rate, gbps, read_bytes.get(fmt)))
+                kv = kv_dtype if impl.startswith("uacompile") else model_kv
+                r = row(w, impl, fmt, run(w), floors(w, cfg, rate, gbps, read_bytes.get(fmt), kv), kv)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             del runner, run  # the next implementation profiles the GPU's free memory: give this one's back first
@@ -373,7 +386,8 @@ def main(argv=None) -> int:
                 continue
             for name, r in llama_cpp_runs(Path(args.llama_cpp), Path(ggufs[fmt]), wls, out).items():
                 w = next(w for w in wls if w.name == name)
-                rows.append(row(w, "llama.cpp", fmt, r, floors(w, cfg, tflops, gbps, read_bytes.get(fmt))))
+                rows.append(row(w, "llama.cpp", fmt, r, floors(w, cfg, tflops, gbps, read_bytes.get(fmt), "fp16"),
+                                "fp16"))  # llama-batched-bench's default f16 cache
                 print(json.dumps(rows[-1]), flush=True)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     meta = dict(gpu=gpu, date=dt.date.today().isoformat(), model="Qwen3-8B architecture"
@@ -381,8 +395,10 @@ def main(argv=None) -> int:
                 floors=dict(matmul_tflops=round(tflops, 1), copy_gbps=round(gbps, 1),
                             fp8_matmul_tflops=round(fp8_tflops, 1) if fp8_tflops else None,
                             decode_weight_gb={f: round(b / 1e9, 3) for f, b in read_bytes.items()}),
-                command="UA_SKIP_TESTS=1 UA_BENCH_SCRIPT='bench/serving_gpu.py --out $OUT' bash bench/run_device.sh",
-                rows=rows)
+                command="UA_SKIP_TESTS=1 UA_BENCH_SCRIPT='bench/serving_gpu.py --out $OUT"
+                + ("" if args.kv_cache_dtype == "auto" else f" --kv-cache-dtype {args.kv_cache_dtype}")
+                + "' bash bench/run_device.sh",
+                kv_cache_dtype=args.kv_cache_dtype, rows=rows)
     return report(meta, out)
 
 
@@ -433,9 +449,10 @@ def target_checks(rows: list[dict]) -> list[dict]:
 def report(meta: dict, out: Path) -> int:
     rows = meta["rows"]
     meta["targets"] = target_checks(rows)
-    stem = out / f"serving-{meta['date']}"
+    kv = meta.get("kv_cache_dtype", "auto")  # an 8-bit run is written beside the model-dtype one
+    stem = out / f"serving-{meta['date']}{'' if kv == 'auto' else '-kv-' + kv}"
     stem.with_suffix(".json").write_text(json.dumps(meta, indent=1))
-    cols = ["workload", "impl", "weights", "ttft_mean_s", "ttft_p99_s", "tpot_ms", "decode_step_ms", "output_tok_s", "ttft_floor_s",
+    cols = ["workload", "impl", "weights", "kv_cache_dtype", "ttft_mean_s", "ttft_p99_s", "tpot_ms", "decode_step_ms", "output_tok_s", "ttft_floor_s",
             "tpot_floor_ms"]
     lines = [f"# Serving, {meta['gpu']}, {meta['date']}", "", f"Model: {meta['model']}. Floors measured in the run: "
              f"bf16 matmul {meta['floors']['matmul_tflops']} TFLOP/s, copy {meta['floors']['copy_gbps']} GB/s.", "",

@@ -20,6 +20,7 @@ from uacompile import ir
 from .executor import Executor
 from .kernels import KernelOps, cuda_template_gap, make_backend
 from .loader import LoadedModel, load
+from . import memory
 from .model import LlamaForCausalLM, ModelConfig
 from .quant import QUANTIZATIONS
 from .sampling import PendingSample, Sampler, TokenLogprob
@@ -31,6 +32,7 @@ log = logging.getLogger("uacompile.runtime")
 GPU_TOKEN_BUDGET = 8192  # CUDA default token budget of a step (and prefill chunk)
 DTYPES = {ir.DTYPES[d].torch: ir.torch_dtype(d) for d in ir.FLOAT_DTYPES}  # EngineConfig.dtype: torch's names
 SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8_e4m3", "int8")  # EngineConfig.kv_cache_dtype (IR names)
 BACKENDS = ("auto", "tvm-cpu", "cuda", "tvm-cuda", "reference")
 
 
@@ -101,6 +103,7 @@ class EngineConfig:
     #                                   type where the CUDA templates cover the model, else float32 (TVM-CUDA kernels)
     kernel_backend: str = "auto"      # auto | tvm-cpu | cuda | tvm-cuda | reference
     kv_cache_bytes: int | None = None  # KV budget when num_pages is not given
+    kv_cache_dtype: str = "auto"      # auto (the model's dtype) | bf16 | fp16 (must be the model's) | fp8_e4m3 | int8
     seed: int = 0                     # seeds of requests that bring none
     cpu_threads: int | None = None    # torch.set_num_threads (process-wide); None leaves torch's default
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU the engine takes (weights, activations, KV)
@@ -124,6 +127,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {list(DTYPES)} or None, got {self.dtype!r}")
         if self.kernel_backend not in BACKENDS:
             raise ValueError(f"kernel_backend must be one of {', '.join(BACKENDS)}, got {self.kernel_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_bytes is not None and (not is_int(self.kv_cache_bytes) or self.kv_cache_bytes < 1):
             raise ValueError(f"kv_cache_bytes must be an int >= 1 (bytes) or None, got {self.kv_cache_bytes!r}")
         if not is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
@@ -150,6 +155,21 @@ class EngineConfig:
                              "quantization='q8_0' on the CPU")
         if self.kernel_dir is not None and not isinstance(self.kernel_dir, str):
             raise ValueError(f"kernel_dir must be a folder path (str) or None, got {self.kernel_dir!r}")
+
+
+def kv_dtype_of(kv_cache_dtype: str, dtype: torch.dtype) -> str:
+    """The KV cache's IR dtype for EngineConfig.kv_cache_dtype and the model's dtype: auto is the model's; a float
+    cache must be the model's (the kernels read it as q's type); int8 / fp8_e4m3 take any. ValueError (one line,
+    naming the values this model allows) for a float cache of another dtype."""
+    model = ir.from_torch(dtype)
+    if kv_cache_dtype == "auto":
+        return model
+    if kv_cache_dtype not in ir.QUANT_DTYPES and kv_cache_dtype != model:
+        allowed = ["auto"] + [d for d in KV_CACHE_DTYPES[1:] if d == model or d in ir.QUANT_DTYPES]
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} does not match the model's dtype "
+                         f"{str(dtype).removeprefix('torch.')}; a float KV cache is the model's dtype: use one of "
+                         f"{', '.join(allowed)} (or run the model in that dtype)")
+    return kv_cache_dtype
 
 
 def default_dtype(cfg: ModelConfig, device: str) -> torch.dtype:
@@ -186,9 +206,10 @@ class Engine:
         self.dtype = DTYPES[ec.dtype] if ec.dtype is not None else default_dtype(cfg, ec.device)
         if ec.quantization == "fp8" and self.dtype == torch.float32:
             raise ValueError("quantization='fp8' needs a 16-bit dtype (bfloat16 or float16), got float32")
+        self.kv_dtype = kv_dtype_of(ec.kv_cache_dtype, self.dtype)  # a bad pairing fails before the weights load
         page_size = scheduler_kwargs.get("page_size") or 16
         ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size, self.dtype,
-                                  cfg.sliding_window, ec.attention_variant)
+                                  cfg.sliding_window, ec.attention_variant, self.kv_dtype)
         self.kernels = make_backend(ec.kernel_backend, ops, ec.device, ec.kernel_dir)
         if loaded.weights is None:  # a config alone: random weights made on the device (benchmarks)
             self.model = LlamaForCausalLM.random(cfg, ec.device, self.dtype, ec.seed)
@@ -210,13 +231,12 @@ class Engine:
         built = self.kernels.prepare(sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len, ec.progress)
         log.info("kernels ready in %.2f s (%s backend; %d prepared, %d libraries from the cache)",
                  time.perf_counter() - t0, self.kernels.name, built["kernels"], built["cached"])
-        self.executor = Executor(self.model, self.kernels, sc.num_pages, sc.num_cpu_pages, sc.page_size,
-                                 ec.device, self.dtype)
+        self.executor = Executor(self.model, self.kernels, sc.num_pages, sc.num_cpu_pages, sc.page_size, ec.device)
         page_bytes = self._page_bytes(cfg, sc.page_size)
-        log.info("KV cache: %d pages of %d tokens (%d tokens), %.4g GB on %s; swap pool %d pages (%.4g GB); "
-                 "max_model_len %d", sc.num_pages, sc.page_size, sc.num_pages * sc.page_size,
-                 sc.num_pages * page_bytes / 1e9, ec.device, sc.num_cpu_pages, sc.num_cpu_pages * page_bytes / 1e9,
-                 sc.max_model_len)
+        log.info("KV cache: %d pages of %d tokens (%d tokens) in %s%s, %.4g GB on %s; swap pool %d pages (%.4g GB); "
+                 "max_model_len %d", sc.num_pages, sc.page_size, sc.num_pages * sc.page_size, self.kv_dtype,
+                 " with float32 scales" if ops.quantized else "", sc.num_pages * page_bytes / 1e9, ec.device,
+                 sc.num_cpu_pages, sc.num_cpu_pages * page_bytes / 1e9, sc.max_model_len)
         if ec.device == "cuda" and ec.cuda_graphs:
             self.executor.capture_graphs(sc.max_num_seqs, sc.max_model_len, ec.progress)
         self._stats = {"t": time.monotonic(), "prompt": 0, "generated": 0}
@@ -243,7 +263,7 @@ class Engine:
         SchedulerConfig(**{**kw, "max_model_len": None})  # the other options' own checks, before the model loads
 
     def _page_bytes(self, cfg, page_size: int) -> int:
-        return cfg.num_layers * 2 * page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        return memory.page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, self.kv_dtype)
 
     def _scheduler_config(self, cfg, kw: dict) -> SchedulerConfig:
         kw = dict(kw)
@@ -262,7 +282,7 @@ class Engine:
             budget = self.engine_config.kv_cache_bytes or self._default_kv_budget(kw)
             if budget < page_bytes and (self.engine_config.kv_cache_bytes or self.engine_config.device != "cuda"):
                 raise ValueError(f"kv_cache_bytes={budget} holds no KV page: one page of {P} tokens takes "
-                                 f"{page_bytes} bytes for this model")
+                                 f"{page_bytes} bytes for this model (KV in {self.kv_dtype})")
             if budget // page_bytes < -(-max_len // P) and self.engine_config.device == "cuda" \
                     and not self.engine_config.kv_cache_bytes:
                 raise ValueError(f"the KV cache budget ({budget / 2**30:.2f} GiB: {self.memory.describe()}) "
@@ -284,9 +304,7 @@ class Engine:
 
     def _default_kv_budget(self, kw: dict) -> int:
         if self.engine_config.device == "cuda":
-            from .memory import profile
-
-            self.memory = profile(self.model, kw.get("max_num_batched_tokens", GPU_TOKEN_BUDGET),
+            self.memory = memory.profile(self.model, kw.get("max_num_batched_tokens", GPU_TOKEN_BUDGET),
                                   kw.get("max_num_seqs", 32), self.engine_config.gpu_memory_utilization)
             log.info("memory: %s", self.memory.describe())
             return max(0, self.memory.kv_budget)

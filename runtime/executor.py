@@ -1,7 +1,10 @@
 """Runs one ScheduledBatch: cache moves, then the model over the step's tokens, then the logits
 of the sequences that sample. The paged KV cache of all layers is one tensor
-kv [num_layers, 2, num_pages, P, Hkv, D] (CopyBlocks/SwapBlocks layout), and the swap pool is a
-CPU tensor of the same layout (pinned on CUDA).
+kv [num_layers, 2, num_pages, P, Hkv, D] (CopyBlocks/SwapBlocks layout) in the cache's dtype (KernelOps.kv_dtype:
+the model's, or int8 / fp8_e4m3), and the swap pool is a CPU tensor of the same layout (pinned on CUDA). An 8-bit
+cache keeps its float32 scales beside it, scales [num_layers, 2, num_pages, P, Hkv] (one per page, slot and KV
+head; the swap pool has its own), so every page move (swap_blocks, copy_blocks) takes them with the same mapping,
+and a page shared through the prefix cache shares its scales with it.
 
 A step's inputs are built on the host into reused (pinned on CUDA) buffers and copied to the device
 without blocking; nothing here waits for the GPU, so the engine can build step n + 1 while step n runs. Token
@@ -12,8 +15,12 @@ a sequence) replay a CUDA graph captured at start-up for their batch-size bucket
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
+
+from uacompile import ir
 
 from .graphs import DecodeGraphs
 from .kernels import KernelBackend
@@ -25,13 +32,21 @@ from .step import Staging, StepInputs, device_step, fill_pending, host_step
 
 class Executor:
     def __init__(self, model: LlamaForCausalLM, kernels: KernelBackend, num_pages: int, num_cpu_pages: int,
-                 page_size: int, device: str, dtype: torch.dtype):
+                 page_size: int, device: str):
         cfg = model.cfg
         self.model, self.kernels, self.page_size, self.device = model, kernels, page_size, device
+        dtype = ir.torch_dtype(kernels.ops.kv_dtype)
+        if kernels.ops.quantized:  # each layer's K / V scales start 16-byte aligned (CUDA reads them so): spare pages
+            num_pages += -num_pages % (4 // math.gcd(page_size * cfg.num_kv_heads, 4))  # the KV manager never hands out
         shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        pin = device == "cuda" and num_cpu_pages > 0
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        self.cpu_kv = torch.zeros((*shape[:2], num_cpu_pages, *shape[3:]), dtype=dtype,
-                                  pin_memory=device == "cuda" and num_cpu_pages > 0)
+        self.cpu_kv = torch.zeros((*shape[:2], num_cpu_pages, *shape[3:]), dtype=dtype, pin_memory=pin)
+        self.scales = self.cpu_scales = None  # float32 [num_layers, 2, pages, P, Hkv] of an 8-bit cache
+        if kernels.ops.quantized:
+            self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            self.cpu_scales = torch.zeros((*shape[:2], num_cpu_pages, *shape[3:-1]), dtype=torch.float32,
+                                          pin_memory=pin)
         self.staging = Staging(device)
         self.graphs = None  # graphs.DecodeGraphs once captured (capture_graphs)
 
@@ -46,21 +61,27 @@ class Executor:
     def run_cache_ops(self, batch: ScheduledBatch) -> None:
         """Order matters: swap-out frees pages that swap-in and copy-on-write may reuse."""
         if batch.swap_out:
-            self.kernels.swap_blocks(src=self.kv, dst=self.cpu_kv, mapping=self._mapping("swap_out", batch.swap_out))
+            self.kernels.swap_blocks(src=self.kv, dst=self.cpu_kv, mapping=self._mapping("swap_out", batch.swap_out),
+                                     src_scales=self.scales, dst_scales=self.cpu_scales)
         if batch.swap_in:
-            self.kernels.swap_blocks(src=self.cpu_kv, dst=self.kv, mapping=self._mapping("swap_in", batch.swap_in))
+            self.kernels.swap_blocks(src=self.cpu_kv, dst=self.kv, mapping=self._mapping("swap_in", batch.swap_in),
+                                     src_scales=self.cpu_scales, dst_scales=self.scales)
         if batch.copies:
-            self.kernels.copy_blocks(kv=self.kv, mapping=self._mapping("copies", batch.copies))
+            self.kernels.copy_blocks(kv=self.kv, mapping=self._mapping("copies", batch.copies), scales=self.scales)
 
     def forward(self, step: StepInputs, plan) -> torch.Tensor:
         """The model over a step's tokens: hidden [T, E]."""
+        scales = self.scales
+
         def attention(layer: int, q, k, v):
             k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]
-            self.kernels.reshape_and_cache(k=k, v=v, slot_mapping=step.slot_mapping, k_cache=k_cache, v_cache=v_cache)
+            k_scale, v_scale = (scales[layer, 0], scales[layer, 1]) if scales is not None else (None, None)
+            self.kernels.reshape_and_cache(k=k, v=v, slot_mapping=step.slot_mapping, k_cache=k_cache, v_cache=v_cache,
+                                           k_scale=k_scale, v_scale=v_scale)
             out = torch.empty_like(q)
             self.kernels.paged_attention(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=step.token_seq,
                                          page_table=step.page_table, token_kv_len=step.token_kv_len, out=out,
-                                         plan=plan)
+                                         plan=plan, k_scale=k_scale, v_scale=v_scale)
             return out
 
         return self.model(step.input_ids, step.positions, attention)

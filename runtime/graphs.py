@@ -3,9 +3,11 @@
 One graph per (batch-size bucket, page-table width bucket): buckets 1, 2, 4, 8, 16, 32, ... up to max_num_seqs,
 widths 16, 32, 64, ... pages up to max_model_len's. Each graph runs the whole decode forward (embedding, every
 layer's cache write and planned attention, the final norm and the logits of every row) over static input
-buffers; a step copies its inputs into them (from pinned host buffers, without blocking) and replays the
-smallest graph that holds it. Rows past the step's sequences are padding: they write no cache slot (slot -1)
-and attend one position of page 0, so they read valid memory and their logits are ignored. The attention plan of
+buffers and the executor's KV tensors (an 8-bit cache's scales too: every captured cache write and attention
+launch takes its layer's k_scale / v_scale, views at fixed addresses); a step copies its inputs into them (from
+pinned host buffers, without blocking) and replays the smallest graph that holds it. Rows past the step's
+sequences are padding: they write no cache slot (slot -1) and attend one position of page 0, so they read valid
+memory (scales included) and their logits are ignored. The attention plan of
 each graph (its split count, workspaces) is made before its capture and kept with it.
 """
 from __future__ import annotations

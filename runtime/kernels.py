@@ -7,7 +7,9 @@ interface.
              (cuda falls back to it), prebuilt by `uacompile build` (kernel_dir) or built here with TVM
   reference  uacompile.reference in numpy float64 (slow; an explicit choice for debugging)
 
-Every call takes keyword tensors named as in op.params(); sizes are bound from the shapes. The layer ops
+Every call takes keyword tensors named as in op.params(); sizes are bound from the shapes. The KV cache is in the
+model's dtype or 8-bit (KernelOps.kv_dtype int8 / fp8_e4m3): then the four KV calls also take its float32 scales,
+one per (page, slot, KV head), which every backend hands its quantised kernels. The layer ops
 (rms_norm with the residual add, silu_and_mul, rope) are TorchLayerOps' torch code (the unfused model's
 arithmetic, exactly) unless a backend has kernels for them: cuda launches ir.RMSNorm / SiluAndMul / Rope.
 """
@@ -34,7 +36,7 @@ BACKENDS = ("tvm-cpu", "cuda", "tvm-cuda", "reference")
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The op variants a model needs, built in one place from its shape."""
+    """The op variants a model needs, built in one place from its shape and KV dtype."""
 
     attention: ir.PagedAttention
     cache_write: ir.ReshapeAndCache
@@ -43,15 +45,27 @@ class KernelOps:
 
     @classmethod
     def for_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
-                  sliding_window: int = 0, variant: str = "ua") -> "KernelOps":
+                  sliding_window: int = 0, variant: str = "ua", kv_dtype: str | None = None) -> "KernelOps":
+        """kv_dtype: the cache's IR dtype (None: the model's; int8 / fp8_e4m3 store per (page, slot, KV head)
+        float32 scales beside the pages)."""
         dt = ir.from_torch(dtype)
         if dt not in ir.FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {[ir.torch_dtype(d) for d in ir.FLOAT_DTYPES]}, got {dtype}")
-        return cls(ir.PagedAttention(num_heads, num_kv_heads, head_dim, page_size, q_dtype=dt, kv_dtype=dt,
+        kv = dt if kv_dtype is None else kv_dtype
+        return cls(ir.PagedAttention(num_heads, num_kv_heads, head_dim, page_size, q_dtype=dt, kv_dtype=kv,
                                      window=sliding_window, variant=variant),
-                   ir.ReshapeAndCache(num_kv_heads, head_dim, page_size, dtype=dt, kv_dtype=dt),
-                   ir.CopyBlocks(num_kv_heads, head_dim, page_size, kv_dtype=dt),
-                   ir.SwapBlocks(num_kv_heads, head_dim, page_size, kv_dtype=dt))
+                   ir.ReshapeAndCache(num_kv_heads, head_dim, page_size, dtype=dt, kv_dtype=kv),
+                   ir.CopyBlocks(num_kv_heads, head_dim, page_size, kv_dtype=kv),
+                   ir.SwapBlocks(num_kv_heads, head_dim, page_size, kv_dtype=kv))
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.attention.kv_dtype
+
+    @property
+    def quantized(self) -> bool:
+        """The cache holds int8 / fp8 with float32 scales (every KV call takes them)."""
+        return self.attention.quantized
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -235,19 +249,24 @@ class KernelBackend(TorchLayerOps):
         """What a step's attention launches need, worked out once before its layers (None: nothing to plan)."""
         return None
 
-    # the executor's four calls
-    def reshape_and_cache(self, k, v, slot_mapping, k_cache, v_cache) -> None:
-        self.run(self.ops.cache_write, k=k, v=v, slot_mapping=slot_mapping, k_cache=k_cache, v_cache=v_cache)
+    # the executor's four calls; the scales (float32, per page, slot and KV head) go with a quantised cache only
+    def reshape_and_cache(self, k, v, slot_mapping, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
+        scales = dict(k_scale=k_scale, v_scale=v_scale) if self.ops.quantized else {}
+        self.run(self.ops.cache_write, k=k, v=v, slot_mapping=slot_mapping, k_cache=k_cache, v_cache=v_cache, **scales)
 
-    def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out, plan=None) -> None:
+    def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out, plan=None,
+                        k_scale=None, v_scale=None) -> None:
+        scales = dict(k_scale=k_scale, v_scale=v_scale) if self.ops.quantized else {}
         self.run(self.ops.attention, q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq,
-                 page_table=page_table, token_kv_len=token_kv_len, out=out)
+                 page_table=page_table, token_kv_len=token_kv_len, out=out, **scales)
 
-    def copy_blocks(self, kv, mapping) -> None:
-        self.run(self.ops.copy, kv=kv, mapping=mapping)
+    def copy_blocks(self, kv, mapping, scales=None) -> None:
+        extra = dict(scales=scales) if self.ops.quantized else {}
+        self.run(self.ops.copy, kv=kv, mapping=mapping, **extra)
 
-    def swap_blocks(self, src, dst, mapping) -> None:
-        self.run(self.ops.swap, src=src, dst=dst, mapping=mapping)
+    def swap_blocks(self, src, dst, mapping, src_scales=None, dst_scales=None) -> None:
+        extra = dict(src_scales=src_scales, dst_scales=dst_scales) if self.ops.quantized else {}
+        self.run(self.ops.swap, src=src, dst=dst, mapping=mapping, **extra)
 
 
 class ReferenceBackend(KernelBackend):
@@ -265,7 +284,10 @@ class ReferenceBackend(KernelBackend):
         for k, t in tensors.items():
             if t.dtype == torch.bfloat16:
                 raise TypeError(f"reference backend: {k} must be fp32/fp16 (numpy has no bf16 view), got {t.dtype}")
-            arrays[k] = t.numpy()  # a view: in-place writes land in the torch tensor
+            if t.dtype == torch.float8_e4m3fn:  # numpy sees fp8 through ml_dtypes, over the same bytes
+                arrays[k] = t.view(torch.uint8).numpy().view(ir.numpy_dtype("fp8_e4m3"))
+            else:
+                arrays[k] = t.numpy()  # a view: in-place writes land in the torch tensor
         if op.kind == "paged_attention":
             out = arrays.pop("out")
             # hand the reference only the pages in use (it converts whole caches to float64)
@@ -274,7 +296,9 @@ class ReferenceBackend(KernelBackend):
             remap = np.full(int(used.max(initial=0)) + 1, -1, dtype=np.int32)
             remap[used] = np.arange(len(used), dtype=np.int32)
             arrays["page_table"] = np.where(table >= 0, remap[np.maximum(table, 0)], -1).astype(np.int32)
-            arrays["k_cache"], arrays["v_cache"] = arrays["k_cache"][used], arrays["v_cache"][used]
+            for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+                if name in arrays:
+                    arrays[name] = arrays[name][used]
             o, _ = reference.paged_attention(op, **arrays)
             out[...] = o
         else:
@@ -313,9 +337,11 @@ class TVMCPUBackend(KernelBackend):
             return None
         return self.cpu_kernel(ir.Kernel(self.ops.attention, config))  # loaded once per process
 
-    def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out, plan=None) -> None:
+    def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out, plan=None,
+                        k_scale=None, v_scale=None) -> None:
+        scales = dict(k_scale=k_scale, v_scale=v_scale) if self.ops.quantized else {}
         (plan or self.fns["paged_attention"])(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq,
-                                              page_table=page_table, token_kv_len=token_kv_len, out=out)
+                                              page_table=page_table, token_kv_len=token_kv_len, out=out, **scales)
 
     def run(self, op, **tensors):
         self.fns[op.kind](**tensors)  # checks shapes, dtypes and layout itself
@@ -366,10 +392,12 @@ class CUDABackend(KernelLayerOps, KernelBackend):
     def plan_step(self, num_tokens: int, num_seqs: int, max_kv_len: int):
         return self.planner.plan(self.ops.attention, num_tokens, num_seqs, max_kv_len, workspace=self.workspace)
 
-    def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out, plan=None) -> None:
+    def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out, plan=None,
+                        k_scale=None, v_scale=None) -> None:
         if plan is None:
             plan = self.plan_step(q.shape[0], page_table.shape[0], page_table.shape[1] * self.ops.attention.page_size)
-        self.attention.run(plan, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out=out)
+        self.attention.run(plan, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out=out, k_scale=k_scale,
+                           v_scale=v_scale)  # attention.run passes the scales to a quantised cache's kernel only
 
     def run(self, op, **tensors):
         self.api.kernel(op)(**tensors)  # checks names, dtypes, shapes, devices itself

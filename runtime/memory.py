@@ -1,5 +1,7 @@
 """How much of the GPU the KV cache may take: like vLLM's gpu_memory_utilization, after profiling the weights and
-the peak activation of the largest step the scheduler may run."""
+the peak activation of the largest step the scheduler may run; and what one page of it costs in bytes (page_bytes),
+which turns a budget into pages: an 8-bit cache (int8 / fp8_e4m3, with its float32 scales) buys about twice the
+pages of a 16-bit one."""
 from __future__ import annotations
 
 import logging
@@ -7,10 +9,21 @@ from dataclasses import dataclass
 
 import torch
 
+from uacompile import ir
+
 log = logging.getLogger("uacompile.runtime")
 
 GIB = 1 << 30
 GRAPH_RESERVE = 256 << 20  # the decode graphs' private pool (their activations at the largest batch), kept aside
+SCALE_BYTES = 4  # a quantised cache's scale (float32) per page, slot and KV head, K and V each
+
+
+def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: str) -> int:
+    """Bytes of one KV page over all layers, K and V: head_dim elements of kv_dtype (an IR name) a (slot, KV head),
+    and for a quantised cache its float32 scale beside them (the executor's scales tensor)."""
+    dt = ir.DTYPES[kv_dtype]
+    per_row = head_dim * dt.itemsize + (SCALE_BYTES if kv_dtype in ir.QUANT_DTYPES else 0)
+    return num_layers * 2 * page_size * num_kv_heads * per_row
 
 
 @dataclass(frozen=True)
@@ -50,4 +63,4 @@ def profile(model, max_tokens: int, max_seqs: int, utilization: float, device=No
     return MemoryProfile(total, base, peak, budget)
 
 
-__all__ = ["MemoryProfile", "profile", "GRAPH_RESERVE"]
+__all__ = ["MemoryProfile", "profile", "page_bytes", "GRAPH_RESERVE", "SCALE_BYTES"]

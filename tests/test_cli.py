@@ -164,6 +164,30 @@ def test_every_flag_has_help_and_presets_are_described():
         assert f"{m.name}: {m.num_q_heads} q heads, {m.num_kv_heads} kv heads, head_dim {m.head_dim}" in text
 
 
+def test_serve_kv_cache_dtype_reaches_the_engine_options(monkeypatch, capsys):
+    """--kv-cache-dtype offers the engine's values and arrives as serve's kv_cache_dtype (an EngineConfig field)."""
+    import argparse
+
+    import uacompile.runtime.server as server
+    from uacompile.runtime.engine import KV_CACHE_DTYPES
+    from uacompile.runtime.llm import ENGINE_OPTIONS
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda **kw: seen.update(kw))
+    assert main(["serve", "--model", "m.gguf", "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    assert seen["kv_cache_dtype"] == "fp8_e4m3" and "kv_cache_dtype" in ENGINE_OPTIONS
+    seen.clear()
+    assert main(["serve", "--model", "m.gguf"]) == 0 and "kv_cache_dtype" not in seen  # the engine's default: auto
+    from uacompile.cli import make_parser
+
+    subs = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = next(a for a in subs.choices["serve"]._actions if a.dest == "kv_cache_dtype")
+    assert tuple(serve.choices) == KV_CACHE_DTYPES
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "m.gguf", "--kv-cache-dtype", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
 def test_generate_ascend_writes_the_ascendc_project(tmp_path, capsys):
     assert main(["generate", "--op", "paged_attention", "--target", "ascend", *PA8, "--out", str(tmp_path)]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())

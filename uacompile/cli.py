@@ -308,6 +308,9 @@ def _add_serve(sub) -> None:
     s.add_argument("--quantization", default=None, choices=["auto", "none", "fp8", "q8_0"],
                    help="weights: auto (block-quantised GGUF weights stay packed where the backend runs them), none "
                         "(decode all to --dtype), q8_0 or fp8 (quantise float weights at load; fp8 on CUDA)")
+    s.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bf16", "fp16", "fp8_e4m3", "int8"],
+                   help="KV cache dtype: auto (the model's, the default), bf16 / fp16 (must be the model's), "
+                        "fp8_e4m3 or int8 (8-bit pages with float32 scales: about twice the pages)")
     s.add_argument("--cpu-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     s.add_argument("--seed", type=int, default=None, help="seed of requests that bring none")
     s.add_argument("--max-queue", type=int, default=256,

@@ -204,3 +204,135 @@ def test_cuda_default_kv_pool_is_sized_from_the_profile(checkpoints):
     assert llm.engine.scheduler.config.max_num_batched_tokens == 8192
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         LLM(str(path), device="cuda", max_model_len=512, gpu_memory_utilization=1.5)
+
+
+# ---- 8-bit KV caches (kv_cache_dtype int8 / fp8_e4m3: pages with float32 scales) -----------------------------
+KV8 = ["int8", "fp8_e4m3"]
+# of the largest |logit|, against transformers in float32; measured on the CPU backend (tvm-cpu, the same
+# quantisation bit for bit) over these models and inputs at most 0.027 / 0.073 (int8, fp16 / bf16) and
+# 0.109 / 0.159 (fp8); the 16-bit caches there: 0.007 / 0.063
+TOL_KV8 = {("int8", "float16"): 0.06, ("int8", "bfloat16"): 0.12, ("fp8_e4m3", "float16"): 0.2,
+           ("fp8_e4m3", "bfloat16"): 0.25}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kv", KV8)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_cuda_8bit_kv_logits_stay_near_transformers(checkpoints, arch, kv, dtype, rng):
+    """Prefill chunks and decode steps over scattered pages of an int8 / fp8 cache (CUDA quantising writes, attention
+    dequantising reads, the sliding window for mistral)."""
+    model, path = checkpoints[arch]
+    llm = LLM(str(path), device="cuda", dtype=dtype, kv_cache_dtype=kv, page_size=16, num_pages=64)
+    ex = llm.engine.executor
+    assert llm.engine.kernels.name == "cuda" and llm.engine.kernels.ops.kv_dtype == kv
+    assert ex.kv.dtype == {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[kv] and ex.kv.is_cuda
+    assert ex.scales.dtype == torch.float32 and ex.scales.shape == ex.kv.shape[:-1] and ex.scales.is_cuda
+    prompts = [rng.integers(3, 512, size=n).tolist() for n in (37, 20, 9)]
+    chunks = [[16, 8, 1, 1, 1, 10], [1] * 20, [9]]
+    got = runtime_logits(ex, prompts, chunks, rng)
+    assert ex.scales.abs().sum() > 0  # the writes set scales
+    assert_logits_match(model, prompts, got, TOL_KV8[kv, dtype], f"{arch} {dtype} {kv}")
+
+
+@pytest.mark.parametrize("kv", KV8)
+@pytest.mark.parametrize("config", ["batched", "continuous", "no-prefix-cache", "recompute", "swap"])
+def test_cuda_8bit_kv_graphs_give_the_eager_tokens(checkpoints, config, kv):
+    """Decode graphs captured over an 8-bit cache (every cache write and attention launch taking its layer's
+    scales) give the tokens of the same engine run eagerly, through padding rows, prefix hits and preemption."""
+    _, path = checkpoints["qwen3"]
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((5, 23, 1, 40, 11, 7, 30, 2, 17))]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    kw = {"page_size": 16, "num_pages": 256, "max_model_len": 256, "kv_cache_dtype": kv, **GPU_CONFIGS[config]}
+    eager = LLM(str(path), device="cuda", cuda_graphs=False, async_scheduling=False, **kw)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    graphed = LLM(str(path), device="cuda", **kw)
+    got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
+    assert graphed.engine.executor.graphs.replays > 0 and graphed.engine.executor.scales is not None
+    assert got == want
+    if config in ("recompute", "swap"):
+        assert graphed.engine.scheduler.num_preemptions > 0 and eager.engine.scheduler.num_preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time_cuda_kv8(checkpoints):
+    _, path = checkpoints["llama"]
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((5, 23, 1, 40, 11))]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = {}
+    for kv in KV8:
+        llm = LLM(str(path), device="cuda", page_size=16, num_pages=256, kv_cache_dtype=kv)
+        want[kv] = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    return path, prompts, params, want
+
+
+@pytest.mark.parametrize("kv", KV8)
+@pytest.mark.parametrize("config", ["batched", "chunk-7", "no-prefix-cache", "recompute", "swap"])
+def test_cuda_8bit_kv_outputs_do_not_depend_on_batching(one_at_a_time_cuda_kv8, config, kv):
+    """A token's quantised K/V depend on it alone, so batching, chunking and preemption (swap moves the scales to
+    the pinned host pool and back) leave the tokens of one request at a time."""
+    path, prompts, params, want = one_at_a_time_cuda_kv8
+    kw = {"page_size": 16, "num_pages": 256, "kv_cache_dtype": kv, **GPU_CONFIGS[config]}
+    llm = LLM(str(path), device="cuda", **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want[kv]
+    if config == "swap":
+        assert llm.engine.executor.cpu_scales.is_pinned() and llm.engine.executor.cpu_scales.shape[2] == 64
+    if config in ("recompute", "swap"):
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("kv", KV8)
+def test_cuda_8bit_kv_survives_swap_prefix_cache_and_copy_on_write(checkpoints, kv, rng):
+    """Shared-prefix prompts through a tight pool with swap preemption give the tokens of a roomy pool without the
+    prefix cache; n = 2 greedy samples (their shared partial page copied on write, scales with it) both give the
+    n = 1 tokens."""
+    _, path = checkpoints["llama"]
+    shared = rng.integers(3, 512, size=40).tolist()
+    prompts = [shared + rng.integers(3, 512, size=n).tolist() for n in (3, 9, 17, 5)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    free = LLM(str(path), device="cuda", page_size=16, num_pages=256, enable_prefix_caching=False, kv_cache_dtype=kv)
+    want = [o.outputs[0].token_ids for o in free.generate(prompts, params)]
+    tight = LLM(str(path), device="cuda", page_size=16, num_pages=12, num_cpu_pages=64, preemption="swap",
+                max_model_len=96, kv_cache_dtype=kv)
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
+    assert tight.engine.scheduler.num_preemptions > 0 and tight.engine.scheduler.kv.prefix_hit_tokens > 0
+    assert got == want
+    forked = free.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2))[0]
+    assert [c.token_ids for c in forked.outputs] == [want[1], want[1]]
+
+
+@pytest.mark.parametrize("kv", KV8)
+def test_cuda_8bit_kv_keeps_most_16_bit_greedy_tokens(checkpoints, kv):
+    """Greedy decoding over an 8-bit cache follows the fp16 cache's for most of 32 tokens (the random tiny model's
+    logits are close calls, so a few prompts part early)."""
+    _, path = checkpoints["qwen3"]
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((5, 23, 1, 40, 11, 7, 30, 2))]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float16", page_size=16, num_pages=256)
+    base = [o.outputs[0].token_ids for o in LLM(str(path), **kw).generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in LLM(str(path), kv_cache_dtype=kv, **kw).generate(prompts, params)]
+    lead = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 32) for x, y in zip(base, got)]
+    assert all(len(t) == 32 for t in got)
+    assert sum(lead) >= (0.5 if kv == "int8" else 0.25) * 32 * len(prompts), lead
+
+
+def test_cuda_8bit_kv_pool_buys_more_pages_for_the_same_budget(checkpoints):
+    """kv_cache_bytes (or the profiled budget) is bytes: 8-bit pages (head_dim 16 elements + a float32 scale a slot
+    and KV head: 20 bytes against fp16's 32) give 1.6 times the pages, and the pool tensors stay in the budget."""
+    from uacompile.runtime.memory import page_bytes
+
+    _, path = checkpoints["llama"]
+    budget, pages = 1 << 20, {}
+    for kv in ("auto", "int8", "fp8_e4m3"):
+        llm = LLM(str(path), device="cuda", dtype="float16", page_size=16, kv_cache_bytes=budget, kv_cache_dtype=kv,
+                  max_model_len=512, cuda_graphs=False)
+        ex, n = llm.engine.executor, llm.engine.scheduler.kv.num_pages
+        per_page = page_bytes(2, 2, 16, 16, "fp16" if kv == "auto" else kv)
+        assert n == budget // per_page
+        assert ex.kv.nbytes + (ex.scales.nbytes if ex.scales is not None else 0) <= budget
+        pages[kv] = n
+    assert pages["int8"] == pages["fp8_e4m3"] and pages["int8"] / pages["auto"] == pytest.approx(1.6, rel=0.02)
+    prof = LLM(str(path), device="cuda", dtype="float16", kv_cache_dtype="int8", max_model_len=512,
+               gpu_memory_utilization=0.5, cuda_graphs=False).engine
+    want = min(32 * 512 // 16, prof.memory.kv_budget // page_bytes(2, 2, 16, 16, "int8"))
+    assert prof.scheduler.kv.num_pages == want
