@@ -359,5 +359,5 @@ def test_serving_benchmark_reads_llama_batched_bench(tmp_path, monkeypatch):
     assert runs["conc-2"]["output_tok_s"] == pytest.approx(2 * 8 / 0.19)
     args = (tmp_path / "args").read_text().split()
     assert "-no-kvu" in args and args[args.index("-npl") + 1] == "1,2" and int(args[args.index("-c") + 1]) >= 2 * 72
-    row = sg.row(wls[1], "llama.cpp", "q8_0", runs["conc-2"], (0.1, 0.1, 1.0))
+    row = sg.row(wls[1], "llama.cpp", "q8_0", runs["conc-2"], (0.1, 0.1, 1.0), "fp16")
     assert row["impl"].startswith("llama.cpp") and row["weights"] == "q8_0" and row["decode_step_ms"] == 12.5
