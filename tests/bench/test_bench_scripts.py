@@ -340,8 +340,8 @@ def test_serving_benchmark_runs_the_runtime_on_an_8_bit_kv_cache(tmp_path, monke
     """--kv-cache-dtype int8: the runtime's rows name their cache, their decode floor counts 8-bit KV (elements and
     float32 scales), and the files are written beside the model-dtype run's (serving-<date>-kv-int8.*)."""
     res = subprocess.run([sys.executable, str(BENCH / "serving_gpu.py"), "--tiny", "--device", "cpu", "--out",
-                          str(tmp_path), "--impls", "uacompile-ua", "--workloads", "conc-1", "--kv-cache-dtype", "int8"],
-                         capture_output=True, text=True, timeout=600)
+                          str(tmp_path), "--impls", "uacompile-ua", "--workloads", "conc-1",
+                          "--kv-cache-dtype", "int8"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     meta = json.loads(next(tmp_path.glob("serving-*-kv-int8.json")).read_text())
     assert meta["kv_cache_dtype"] == "int8" and [r["kv_cache_dtype"] for r in meta["rows"]] == ["int8"]

@@ -1,7 +1,7 @@
 """runtime.kernels' tvm-cuda backend on the CPU (nvcc, no GPU): a `uacompile build --preset tiny --target cuda`
 folder, carried elsewhere, holds every kernel stories260K launches, found by symbol through manifest.json and
-loaded with cffi without importing TVM; a missing kernel, a folder of another dtype or KV cache dtype, a missing TVM are one-line
-errors that say what to do; cuda falls back to tvm-cuda where the templates do not cover the model.
+loaded with cffi without importing TVM; a missing kernel, a folder of another dtype or KV cache dtype, a missing TVM
+are one-line errors that say what to do; cuda falls back to tvm-cuda where the templates do not cover the model.
 The GPU run: test_tvm_cuda_backend_gpu.py."""
 import json
 import os
