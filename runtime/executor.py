@@ -47,6 +47,10 @@ class Executor:
             self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
             self.cpu_scales = torch.zeros((*shape[:2], num_cpu_pages, *shape[3:-1]), dtype=torch.float32,
                                           pin_memory=pin)
+        self.layer_caches = []  # each layer's (k_cache, v_cache, k_scale, v_scale) views, made once
+        for i in range(cfg.num_layers):
+            scales = (self.scales[i, 0], self.scales[i, 1]) if self.scales is not None else (None, None)
+            self.layer_caches.append((self.kv[i, 0], self.kv[i, 1], *scales))
         self.staging = Staging(device)
         self.graphs = None  # graphs.DecodeGraphs once captured (capture_graphs)
 
@@ -71,11 +75,10 @@ class Executor:
 
     def forward(self, step: StepInputs, plan) -> torch.Tensor:
         """The model over a step's tokens: hidden [T, E]."""
-        scales = self.scales
+        caches = self.layer_caches
 
         def attention(layer: int, q, k, v):
-            k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]
-            k_scale, v_scale = (scales[layer, 0], scales[layer, 1]) if scales is not None else (None, None)
+            k_cache, v_cache, k_scale, v_scale = caches[layer]
             self.kernels.reshape_and_cache(k=k, v=v, slot_mapping=step.slot_mapping, k_cache=k_cache, v_cache=v_cache,
                                            k_scale=k_scale, v_scale=v_scale)
             out = torch.empty_like(q)

@@ -439,9 +439,17 @@ def _build_hint(kernel: ir.Kernel, out_dir, entries: dict | None = None) -> str:
     cmd = build_command(kernel, "cuda", "tvm", out_dir)
     if cmd is not None:
         return f"build it where TVM is installed: `{cmd}`"
-    want = {k: v for k, v in kernel.op.to_dict().items() if k not in DTYPE_FIELDS}
-    other = sorted({str(e["params"].get("q_dtype", e["params"].get("dtype"))) for e in (entries or {}).values()
-                    if {k: v for k, v in e["params"].items() if k not in DTYPE_FIELDS} == want})
+    params = kernel.op.to_dict()
+    want = {k: v for k, v in params.items() if k not in DTYPE_FIELDS}
+    same_shape = [e["params"] for e in (entries or {}).values()
+                  if {k: v for k, v in e["params"].items() if k not in DTYPE_FIELDS} == want]
+    model = params.get("q_dtype", params.get("dtype"))
+    kv_caches = sorted({str(p.get("kv_dtype")) for p in same_shape if "kv_dtype" in params and "kv_dtype" in p and
+                        p.get("q_dtype", p.get("dtype")) == model and p.get("kv_dtype") != params["kv_dtype"]})
+    if kv_caches:  # the model's dtype is there, with another KV cache
+        names = " or ".join(repr("auto" if kv == model else kv) for kv in kv_caches)
+        return f"the folder holds this shape with a {'/'.join(kv_caches)} KV cache (run with kv_cache_dtype={names})"
+    other = sorted({str(p.get("q_dtype", p.get("dtype"))) for p in same_shape})
     if other:
         names = " or ".join(repr(ir.DTYPES[d].torch) for d in other)
         return f"the folder holds this shape in {'/'.join(other)} (run the model with dtype={names})"

@@ -336,6 +336,23 @@ def test_serving_benchmark_runs_end_to_end_on_a_toy_model(tmp_path):
         assert next(tmp_path.glob("serving-*.png")).stat().st_size > 10_000
 
 
+def test_serving_benchmark_runs_the_runtime_on_an_8_bit_kv_cache(tmp_path, monkeypatch):
+    """--kv-cache-dtype int8: the runtime's rows name their cache, their decode floor counts 8-bit KV (elements and
+    float32 scales), and the files are written beside the model-dtype run's (serving-<date>-kv-int8.*)."""
+    res = subprocess.run([sys.executable, str(BENCH / "serving_gpu.py"), "--tiny", "--device", "cpu", "--out",
+                          str(tmp_path), "--impls", "uacompile-ua", "--workloads", "conc-1",
+                          "--kv-cache-dtype", "int8"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    meta = json.loads(next(tmp_path.glob("serving-*-kv-int8.json")).read_text())
+    assert meta["kv_cache_dtype"] == "int8" and [r["kv_cache_dtype"] for r in meta["rows"]] == ["int8"]
+    assert "--kv-cache-dtype int8" in meta["command"]
+    monkeypatch.syspath_prepend(str(BENCH))
+    sg = importlib.import_module("serving_gpu")
+    cfg = sg.ModelConfig(**sg.TINY)
+    assert sg.model_numbers(cfg, "int8")[2] == 2 * 2 * 2 * (16 + 4)  # layers, K/V, KV heads, (head_dim + scale)
+    assert sg.model_numbers(cfg, "fp32")[2] == 2 * 2 * 2 * 16 * 4
+
+
 LLAMA_BATCHED_BENCH = """main: n_kv_max = 8448, n_batch = 2048, n_ubatch = 512, flash_attn = 1
 |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
 |-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
@@ -361,3 +378,4 @@ def test_serving_benchmark_reads_llama_batched_bench(tmp_path, monkeypatch):
     assert "-no-kvu" in args and args[args.index("-npl") + 1] == "1,2" and int(args[args.index("-c") + 1]) >= 2 * 72
     row = sg.row(wls[1], "llama.cpp", "q8_0", runs["conc-2"], (0.1, 0.1, 1.0), "fp16")
     assert row["impl"].startswith("llama.cpp") and row["weights"] == "q8_0" and row["decode_step_ms"] == 12.5
+    assert row["kv_cache_dtype"] == "fp16"

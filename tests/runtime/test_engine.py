@@ -218,6 +218,15 @@ def test_an_8_bit_cache_runs_under_a_float32_model_and_async_scheduling(kv):
     assert outputs(llm) == sync and llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_the_reference_backend_gives_the_tvm_cpu_tokens_on_an_8_bit_cache(kv):
+    """Both CPU backends quantise bit for bit alike (float64 attention in the reference), unified_masked too."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    runs = [LLM(STORIES260K, cpu_threads=1, kv_cache_dtype=kv, **kw).generate(KV_PROMPTS[:2], params)
+            for kw in ({}, dict(kernel_backend="reference"), dict(attention_variant="unified_masked"))]
+    assert [[o.outputs[0].token_ids for o in r] for r in runs[1:]] == [[o.outputs[0].token_ids for o in runs[0]]] * 2
+
+
 @pytest.mark.parametrize("kw,needle", [
     (dict(kv_cache_dtype="fp32"), "kv_cache_dtype must be one of auto, bf16, fp16, fp8_e4m3, int8, got 'fp32'"),
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of auto, bf16, fp16, fp8_e4m3, int8, got 'int4'"),

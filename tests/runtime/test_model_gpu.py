@@ -250,7 +250,7 @@ def test_cuda_8bit_kv_graphs_give_the_eager_tokens(checkpoints, config, kv):
     assert graphed.engine.executor.graphs.replays > 0 and graphed.engine.executor.scales is not None
     assert got == want
     if config in ("recompute", "swap"):
-        assert graphed.engine.scheduler.num_preemptions > 0 and eager.engine.scheduler.num_preemptions > 0
+        assert graphed.engine.scheduler.num_preemptions > 0
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """runtime.kernels' tvm-cuda backend on the CPU (nvcc, no GPU): a `uacompile build --preset tiny --target cuda`
 folder, carried elsewhere, holds every kernel stories260K launches, found by symbol through manifest.json and
-loaded with cffi without importing TVM; a missing kernel, a folder of another dtype, a missing TVM are one-line
-errors that say what to do; cuda falls back to tvm-cuda where the templates do not cover the model.
+loaded with cffi without importing TVM; a missing kernel, a folder of another dtype or KV cache dtype, a missing TVM
+are one-line errors that say what to do; cuda falls back to tvm-cuda where the templates do not cover the model.
 The GPU run: test_tvm_cuda_backend_gpu.py."""
 import json
 import os
@@ -146,3 +146,19 @@ def test_cuda_falls_back_to_tvm_cuda_only_where_the_templates_do_not_cover_the_m
         make_backend("cuda", stories_ops(), "cuda")
     with pytest.raises(ValueError, match="kernel_backend='tvm-cuda' needs device='cuda'"):
         make_backend("tvm-cuda", stories_ops(), "cpu")
+
+
+def test_a_folder_without_the_8_bit_cache_kernels_names_the_kv_cache_it_has(tmp_path):
+    """stories260K with kv_cache_dtype='int8' against a folder of its fp32 kernels (a manifest alone: the lookup
+    fails before any library loads): the one-line error names the KV cache the folder was built for."""
+    plain = tvm_cuda_kernels(stories_ops())
+    entries = [{"op": k.kind, "target": "cuda", "lowering": "tvm", "params": k.op.to_dict(), "symbol": k.symbol(),
+                "library": None, "reason": "not built here"} for k in plain]
+    (tmp_path / "manifest.json").write_text(json.dumps({"kernels": entries}))
+    cfg = load(STORIES).config
+    ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16, torch.float32, kv_dtype="int8")
+    with pytest.raises(ValueError) as e:
+        TVMCUDABackend(ops, tmp_path, arch="sm_90")
+    msg = str(e.value)
+    assert "\n" not in msg and "kv_dtype=int8" in msg and "is not in" in msg
+    assert "the folder holds this shape with a fp32 KV cache (run with kv_cache_dtype='auto')" in msg
