@@ -140,17 +140,21 @@ class TorchLayerOps:
         return apply_rope(x, cos, sin)
 
 
-DECODE_ROWS = 64  # QuantLinear: up to this many rows run the packed matmul kernel, more decode into a scratch + matmul
+DECODE_ROWS = 64  # cuda: rows up to which a packed projection runs ir.QuantMatmul (decode batches)
+CPU_PACKED_ROWS = 256  # tvm-cpu: the same (TVM's packed matmul beats decoding + torch up to about this many rows)
 
 
-class KernelLayerOps(TorchLayerOps):
-    """The layer ops on kernels (ir.RMSNorm, SiluAndMul, Rope, and the packed QuantMatmul / Dequantize): a subclass
-    gives build_layer_kernel(op), a callable over op.params() keywords. The residual stream is updated in place
-    (rms_norm writes h into residual and the norm into x), rope rotates a contiguous x in place. A packed
-    projection runs ir.QuantMatmul over up to DECODE_ROWS rows (decode); a longer step decodes each run of rows
-    into one scratch buffer (the largest layer's, reused by every layer) and multiplies densely (torch.matmul)."""
+class PackedLinearOps(TorchLayerOps):
+    """Packed projections (QuantLinear) and embeddings (QuantEmbedding) on a backend's ir.QuantMatmul / ir.Dequantize
+    kernels: a step of up to `packed_rows` rows runs the packed matmul; a longer one decodes each run of rows into
+    one scratch buffer (the largest layer's, reused by every layer) and multiplies densely (torch). A subclass gives
+    quant_kernel(key, make_op): the kernel of make_op()'s op, found by the plain-value key."""
 
     packed_formats = frozenset(ir.WEIGHT_FORMATS)
+    packed_rows = DECODE_ROWS
+
+    def quant_kernel(self, key: tuple, make_op):
+        raise NotImplementedError
 
     def scratch(self, elements: int, dtype: torch.dtype, device) -> torch.Tensor:
         """A buffer of at least `elements` (the decoded weights of one run of rows), kept for the next layers."""
@@ -166,13 +170,13 @@ class KernelLayerOps(TorchLayerOps):
         outs = []
         for part, w in module.packed():
             fmt, rows = part.weight_format, part.rows
-            if T <= DECODE_ROWS:
+            if T <= self.packed_rows:
                 out = torch.empty((T, rows), dtype=dt, device=x.device)
-                self.layer_kernel(("quant_matmul", K, rows, fmt, dt),
+                self.quant_kernel(("quant_matmul", K, rows, fmt, dt),
                                   lambda: ir.QuantMatmul(K, rows, fmt, ir.from_torch(dt)))(x=x, weight=w, out=out)
             else:
                 dense = self.scratch(rows * K, dt, x.device).view(rows, K)
-                self.layer_kernel(("dequantize", K, fmt, dt),
+                self.quant_kernel(("dequantize", K, fmt, dt),
                                   lambda: ir.Dequantize(K, fmt, ir.from_torch(dt)))(weight=w, out=dense)
                 out = F.linear(x, dense)
             outs.append(out)
@@ -184,12 +188,21 @@ class KernelLayerOps(TorchLayerOps):
             return super().embed(module, ids)
         E, fmt, dt = module.embedding_dim, module.weight_format, module.dtype
         out = torch.empty((ids.shape[0], E), dtype=dt, device=ids.device)
-        self.layer_kernel(("dequantize", E, fmt, dt), lambda: ir.Dequantize(E, fmt, ir.from_torch(dt)))(
+        self.quant_kernel(("dequantize", E, fmt, dt), lambda: ir.Dequantize(E, fmt, ir.from_torch(dt)))(
             weight=module.weight[ids], out=out)
         return out
 
+
+class KernelLayerOps(PackedLinearOps):
+    """The layer ops on kernels (ir.RMSNorm, SiluAndMul, Rope, and the packed QuantMatmul / Dequantize): a subclass
+    gives build_layer_kernel(op), a callable over op.params() keywords. The residual stream is updated in place
+    (rms_norm writes h into residual and the norm into x), rope rotates a contiguous x in place."""
+
     def build_layer_kernel(self, op: ir.OpSpec):
         raise NotImplementedError
+
+    def quant_kernel(self, key: tuple, make_op):
+        return self.layer_kernel(key, make_op)
 
     @property
     def layer_kernels(self) -> dict:
@@ -305,7 +318,7 @@ class ReferenceBackend(KernelBackend):
             reference.run(op, **arrays)
 
 
-class TVMCPUBackend(KernelBackend):
+class TVMCPUBackend(PackedLinearOps, KernelBackend):
     """TVM-LLVM kernels (uacompile.lower.tvm_build.cpu_kernel), built once per op and cached on disk. A step's
     attention runs the tuning database's TVMConfig for the step's bucket (`uacompile tune --target cpu`; tuned:
     a tunedb.Tuned, None: the default database, False: none), else the default schedule."""
@@ -342,6 +355,27 @@ class TVMCPUBackend(KernelBackend):
         scales = dict(k_scale=k_scale, v_scale=v_scale) if self.ops.quantized else {}
         (plan or self.fns["paged_attention"])(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq,
                                               page_table=page_table, token_kv_len=token_kv_len, out=out, **scales)
+
+    packed_rows = CPU_PACKED_ROWS
+
+    def prepare_layers(self, ops: list) -> None:
+        """Build (or load from the disk cache) the packed-weight kernels the model launches; its other layer ops
+        run in torch here."""
+        for op in ops:
+            if op.kind == "quant_matmul":
+                self.quant_kernel(("quant_matmul", op.in_features, op.out_features, op.weight_format,
+                                   ir.torch_dtype(op.dtype)), lambda op=op: op)
+            elif op.kind == "dequantize":
+                self.quant_kernel(("dequantize", op.in_features, op.weight_format, ir.torch_dtype(op.dtype)),
+                                  lambda op=op: op)
+
+    def quant_kernel(self, key: tuple, make_op):
+        """TVM-LLVM's quant_matmul / dequantize kernel (cpu_kernel: built once per op, cached on disk)."""
+        quant = self.__dict__.setdefault("_quant_kernels", {})
+        kern = quant.get(key)
+        if kern is None:
+            kern = quant[key] = self.cpu_kernel(make_op())
+        return kern
 
     def run(self, op, **tensors):
         self.fns[op.kind](**tensors)  # checks shapes, dtypes and layout itself
