@@ -133,9 +133,36 @@ class ReshapeConfig:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class QuantMatmulConfig:
+    """quant_matmul on CUDA (uacompile/quant_matmul.cuh's tensor-core kernel; the float32 op runs on CUDA cores
+    and takes no config).
+
+    warps: warps a block, splitting K into units of 256 weights (added up in the block at the end).
+    stages: units a warp has in flight (cp.async into shared memory), >= 2.
+    m_tiles: 16-row weight tiles a block for each token tile size (1-8, 9-16, 17-32, 33+ tokens): more rows a
+        block reuse each activation fragment more.
+    """
+
+    warps: int = 4
+    stages: int = 4
+    m_tiles: tuple[int, int, int, int] = (1, 1, 2, 2)
+
+    def __post_init__(self):
+        if self.warps not in (1, 2, 4, 8):
+            raise IRError("QuantMatmulConfig.warps", f"must be 1, 2, 4 or 8, got {self.warps!r}")
+        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or not 2 <= self.stages <= 8:
+            raise IRError("QuantMatmulConfig.stages", f"must be an int in 2..8, got {self.stages!r}")
+        if not (isinstance(self.m_tiles, tuple) and len(self.m_tiles) == 4 and all(m in (1, 2, 4) for m in self.m_tiles)):
+            raise IRError("QuantMatmulConfig.m_tiles", f"must be 4 of 1, 2 or 4, got {self.m_tiles!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def config_of(kernel: ir.Kernel) -> AttentionConfig:
     """A paged-attention kernel's config (the default one where none is given)."""
     return kernel.config if kernel.config is not None else AttentionConfig()
 
 
-__all__ = ["AttentionConfig", "ReshapeConfig", "config_of"]
+__all__ = ["AttentionConfig", "QuantMatmulConfig", "ReshapeConfig", "config_of"]

@@ -26,7 +26,7 @@ import jinja2
 
 from uacompile import ir
 
-from .config import ReshapeConfig, config_of
+from .config import QuantMatmulConfig, ReshapeConfig, config_of
 from .layout import (TEMPLATE, check, cp_producer_below, cp_row_lanes, dynamic_prefill, layout, pdl, q_prefetch_min,
                      wgmma_width)
 
@@ -210,6 +210,24 @@ def _rope(op: ir.Rope, arch: str):
                                    inv_freq=_inv_freq(op.rope_theta, op.head_dim, op.freq_factors))
 
 
+FMT_ENUMS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+
+
+def _quant_matmul(kernel: ir.Kernel, arch: str):
+    """16-bit activations run on tensor cores (QuantMatmulConfig's tiles), float32 on CUDA cores."""
+    op = kernel.op
+    cfg = kernel.config if isinstance(kernel.config, QuantMatmulConfig) else QuantMatmulConfig()
+    return "cuda/quant_matmul.cu.j2", dict(
+        N=op.out_features, K=op.in_features, fmt=op.weight_format, fmt_enum=FMT_ENUMS[op.weight_format],
+        c_type=ir.DTYPES[op.dtype].c, tensor_cores=op.dtype != "fp32", warps=cfg.warps, stages=cfg.stages,
+        mt=list(cfg.m_tiles))
+
+
+def _dequantize(op: ir.Dequantize, arch: str):
+    return "cuda/dequantize.cu.j2", dict(K=op.in_features, fmt=op.weight_format, fmt_enum=FMT_ENUMS[op.weight_format],
+                                         c_type=ir.DTYPES[op.dtype].c, threads=256)
+
+
 CONTEXT_BUILDERS = {
     "reshape_and_cache": _reshape_and_cache,
     "copy_blocks": lambda op, arch: ("cuda/copy_blocks.cu.j2", _page_copy(op)),
@@ -219,6 +237,8 @@ CONTEXT_BUILDERS = {
     "rms_norm": _rms_norm,
     "silu_and_mul": _silu_and_mul,
     "rope": _rope,
+    "quant_matmul": _quant_matmul,
+    "dequantize": _dequantize,
 }
 
 
@@ -229,7 +249,7 @@ def render_op(op: ir.OpSpec | ir.Kernel, arch: str = "sm_90") -> str:
     op = kernel.op
     if op.kind not in CONTEXT_BUILDERS:
         raise ir.IRError("op", f"has no CUDA template: {op.kind!r} (have {sorted(CONTEXT_BUILDERS)})")
-    builder_arg = kernel if op.kind in ("paged_attention", "reshape_and_cache") else op
+    builder_arg = kernel if op.kind in ("paged_attention", "reshape_and_cache", "quant_matmul") else op
     template, ctx = CONTEXT_BUILDERS[op.kind](builder_arg, arch)
     common = dict(op=op, symbol=kernel.symbol(), ns=f"{kernel.symbol()}_impl", signature=ir.c_signature(kernel))
     return environment().get_template(template).render(**common, **ctx)
