@@ -213,10 +213,30 @@ def _rope(op: ir.Rope, arch: str):
 FMT_ENUMS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
 
 
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a block (sm_80: 163 KB; sm_90: 227 KB)
+
+
+def quant_matmul_smem(op: ir.QuantMatmul, cfg: QuantMatmulConfig, m_tiles: int, token_tiles: int) -> int:
+    """Shared memory of a block of the tensor-core kernel (QuantMatmul<...>::SMEM_BYTES of quant_matmul.cuh)."""
+    f = op.format
+    ub = 256 // f.block * f.nbytes
+    stride = ((ub + 15) // 16 + 1) | 1
+    ring = cfg.warps * cfg.stages * 16 * m_tiles * stride * 16
+    red = cfg.warps * m_tiles * token_tiles * 4 * 32 * 4 if cfg.warps > 1 else 0
+    return max(ring, red)
+
+
+def quant_matmul_fits(op: ir.QuantMatmul, cfg: QuantMatmulConfig, limit: int = SMEM_LIMIT) -> bool:
+    return all(quant_matmul_smem(op, cfg, mt, nt) <= limit for mt, nt in zip(cfg.m_tiles, (1, 2, 4, 8)))
+
+
 def _quant_matmul(kernel: ir.Kernel, arch: str):
     """16-bit activations run on tensor cores (QuantMatmulConfig's tiles), float32 on CUDA cores."""
     op = kernel.op
     cfg = kernel.config if isinstance(kernel.config, QuantMatmulConfig) else QuantMatmulConfig()
+    if op.dtype != "fp32" and not quant_matmul_fits(op, cfg):
+        raise ir.IRError("QuantMatmulConfig", f"{cfg} needs more than {SMEM_LIMIT} bytes of shared memory a block "
+                                               f"for {op.weight_format}: fewer warps, stages or m_tiles")
     return "cuda/quant_matmul.cu.j2", dict(
         N=op.out_features, K=op.in_features, fmt=op.weight_format, fmt_enum=FMT_ENUMS[op.weight_format],
         c_type=ir.DTYPES[op.dtype].c, tensor_cores=op.dtype != "fp32", warps=cfg.warps, stages=cfg.stages,

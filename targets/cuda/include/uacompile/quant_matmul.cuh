@@ -249,10 +249,12 @@ struct BlockK {
     scale_min_k4(b + 4, j, sc, m);
     const uint32_t ds = Pair<T>::splat(__fmul_rn(ld_f16(b), (float)sc));
     const uint32_t dm = Pair<T>::splat(-__fmul_rn(ld_f16(b + 2), (float)m));
-    uint32_t w[4];
-    ld_words<4>(b + QS + 32 * t + 16 * (gi & 1), w);
-    uint32_t h[4];
-    if (Q5) ld_words<4>(b + 16 + 16 * (gi & 1), h);
+    // 144- and 176-byte blocks of 16-byte aligned rows: qs and qh are 16-byte aligned, one conflict-free load each
+    const uint4 wv = *reinterpret_cast<const uint4*>(b + QS + 32 * t + 16 * (gi & 1));
+    const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};
+    uint4 hv = make_uint4(0u, 0u, 0u, 0u);
+    if (Q5) hv = *reinterpret_cast<const uint4*>(b + 16 + 16 * (gi & 1));
+    const uint32_t h[4] = {hv.x, hv.y, hv.z, hv.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       if (gi >= 2) nibble_pairs<T, 1>(w[i], p[2 * i], p[2 * i + 1]);
@@ -392,6 +394,7 @@ struct QuantMatmul {
   static constexpr int SMEM_BYTES =
       WARPS * STAGES * STAGE_BYTES > RED_BYTES ? WARPS * STAGES * STAGE_BYTES : RED_BYTES;
   static_assert(STAGES >= 2, "a unit in flight while one is decoded");
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory of a block: fewer warps, stages or m_tiles");
 
   // stage unit u of rows row0 .. row0 + ROWS (clamped to N - 1) into st; returns nothing, commits nothing
   __device__ static __forceinline__ void copy_unit(uint8_t* st, const uint8_t* w, int64_t row_bytes, int row0,
