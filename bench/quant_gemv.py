@@ -50,7 +50,7 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     shapes = {k: v for k, v in SHAPES.items() if not args.quick or k in ("o_proj", "gate_up")}
-    rounds = 10 if args.quick else 20
+    rounds = 10 if args.quick else 12
     t0 = time.time()
     ops = [ir.QuantMatmul(K, N, f, "bf16") for (K, N) in shapes.values() for f in FORMATS]
     ops += [ir.Dequantize(K, f, "bf16") for K in sorted({K for K, _ in shapes.values()}) for f in FORMATS]

@@ -33,7 +33,7 @@ def parse(text: str) -> QuantMatmulConfig:
     kw = {}
     for item in text.split(","):
         k, _, v = item.partition("=")
-        kw[k] = tuple(int(m) for m in v.split(":")) if k == "m_tiles" else int(v)
+        kw[k] = tuple(int(m) for m in v.split(":")) if ":" in v else int(v)
     return QuantMatmulConfig(**kw)
 
 
@@ -45,10 +45,10 @@ def main() -> int:
     ap.add_argument("--shapes", default="o_proj,gate_up,down")
     ap.add_argument("--rows", default="1,8,16,32,64")
     args = ap.parse_args()
-    cfgs = {c: parse(c) for c in args.configs.split(";")}
+    cfgs = {c: (parse(c) if c != "rule" else None) for c in args.configs.split(";")}
     formats, shapes, rows = args.formats.split(","), args.shapes.split(","), [int(r) for r in args.rows.split(",")]
     t0 = time.time()
-    kernels = [ir.Kernel(ir.QuantMatmul(*SHAPES[s], f, "bf16"), c) for s in shapes for f in formats for c in cfgs.values()
+    kernels = [(ir.Kernel(ir.QuantMatmul(*SHAPES[s], f, "bf16"), c) if c else ir.QuantMatmul(*SHAPES[s], f, "bf16")) for s in shapes for f in formats for c in cfgs.values()
                if quant_matmul_fits(ir.QuantMatmul(*SHAPES[s], f, "bf16"), c)]
     api.preload(kernels)
     print(f"built {len(kernels)} kernels in {time.time() - t0:.0f} s", flush=True)
@@ -65,7 +65,7 @@ def main() -> int:
             for name, c in cfgs.items():
                 if not quant_matmul_fits(ir.QuantMatmul(K, N, f, "bf16"), c):
                     continue
-                kern = api.kernel(ir.Kernel(ir.QuantMatmul(K, N, f, "bf16"), c))
+                kern = api.kernel(ir.Kernel(ir.QuantMatmul(K, N, f, "bf16"), c) if c else ir.QuantMatmul(K, N, f, "bf16"))
                 for T in rows:
                     ls = [kern.launcher({"weight": w}, {"x": xs[T], "out": outs[T]}) for w in ws]
                     fns[(name, T)] = [(lambda l=l, T=T: l(xs[T], outs[T])) for l in ls]

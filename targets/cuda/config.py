@@ -136,25 +136,31 @@ class ReshapeConfig:
 @dataclass(frozen=True)
 class QuantMatmulConfig:
     """quant_matmul on CUDA (uacompile/quant_matmul.cuh's tensor-core kernel; the float32 op runs on CUDA cores
-    and takes no config).
+    and takes no config). Each field holds one value a token tile size, the kernels of 1-8, 9-16, 17-32 and 33+
+    tokens (an int sets all four); None leaves it to the built-in rule (render.quant_matmul_tiles, from the
+    H200 sweep of bench/quant_matmul_sweep.py).
 
     warps: warps a block, splitting K into units of 256 weights (added up in the block at the end).
-    stages: units a warp has in flight (cp.async into shared memory), >= 2.
-    m_tiles: 16-row weight tiles a block for each token tile size (1-8, 9-16, 17-32, 33+ tokens): more rows a
-        block reuse each activation fragment more.
+    stages: units a warp has in flight (cp.async into shared memory), 2-8.
+    m_tiles: 16-row weight tiles a warp (1, 2 or 4): more rows a warp reuse each activation fragment more.
     """
 
-    warps: int = 4
-    stages: int = 4
-    m_tiles: tuple[int, int, int, int] = (1, 1, 2, 2)
+    warps: tuple[int, int, int, int] | int | None = None
+    stages: tuple[int, int, int, int] | int | None = None
+    m_tiles: tuple[int, int, int, int] | int | None = None
 
     def __post_init__(self):
-        if self.warps not in (1, 2, 4, 8):
-            raise IRError("QuantMatmulConfig.warps", f"must be 1, 2, 4 or 8, got {self.warps!r}")
-        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or not 2 <= self.stages <= 8:
-            raise IRError("QuantMatmulConfig.stages", f"must be an int in 2..8, got {self.stages!r}")
-        if not (isinstance(self.m_tiles, tuple) and len(self.m_tiles) == 4 and all(m in (1, 2, 4) for m in self.m_tiles)):
-            raise IRError("QuantMatmulConfig.m_tiles", f"must be 4 of 1, 2 or 4, got {self.m_tiles!r}")
+        allowed = {"warps": (1, 2, 4, 8), "stages": tuple(range(2, 9)), "m_tiles": (1, 2, 4)}
+        for name, ok in allowed.items():
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, int) and not isinstance(v, bool):
+                v = (v,) * 4
+                object.__setattr__(self, name, v)
+            if not (isinstance(v, tuple) and len(v) == 4 and all(isinstance(x, int) and x in ok for x in v)):
+                raise IRError(f"QuantMatmulConfig.{name}", f"must be one of {ok} or 4 of them (a token tile size "
+                                                           f"each), got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -38,10 +38,23 @@ def test_config_picks_the_tiles():
     from uacompile.targets.cuda.render import render_op
 
     op = Q(4096, 4096, "q4_0", "bf16")
-    src = render_op(ir.Kernel(op, QuantMatmulConfig(warps=8, stages=3, m_tiles=(1, 2, 2, 4))))
-    assert "QuantMatmul<F, T, MT, NT, 8, 3>" in src and "launch<4, 8>" in src
+    kernel = ir.Kernel(op, QuantMatmulConfig(warps=4, stages=3, m_tiles=(1, 2, 2, 4)))
+    src = render_op(kernel)
+    assert "launch<1, 1, 4, 3>" in src and f"return {kernel.symbol()}_impl::launch<4, 8, 4, 3>" in src
+    assert QuantMatmulConfig(warps=4).warps == (4, 4, 4, 4)
     with pytest.raises(ir.IRError, match="QuantMatmulConfig.stages"):
         QuantMatmulConfig(stages=1)
+    with pytest.raises(ir.IRError, match="shared memory"):
+        render_op(ir.Kernel(Q(4096, 4096, "q8_0", "bf16"), QuantMatmulConfig(warps=8, stages=8, m_tiles=4)))
+
+
+def test_every_rule_tile_fits():
+    from uacompile.targets.cuda.render import quant_matmul_fits, quant_matmul_tiles
+
+    for f in FORMATS:
+        for K, N in ((4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (256, 100)):
+            op = Q(K, N, f, "bf16")
+            assert quant_matmul_fits(op), (op, quant_matmul_tiles(op))
 
 
 def _build(ops, arch):
