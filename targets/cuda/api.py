@@ -6,6 +6,7 @@
     api.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)       # op inferred from tensors
     api.copy_blocks(kv, mapping); api.swap_blocks(src, dst, mapping); out = api.merge_state(o, lse)
     out = api.rms_norm(x, w, eps, residual=r); out = api.silu_and_mul(gate_up); api.rope(q, positions, theta)
+    out = api.quant_matmul(x, weight, "q4_k"); w = api.dequantize(weight, "q4_k", in_features, torch.bfloat16)
 
 Every call checks names, dtypes, shapes (symbolic dims bound consistently), contiguity,
 alignment and devices against op.params(), and raises TypeError / ValueError naming the
@@ -270,6 +271,46 @@ def rope(x, positions, rope_theta: float, interleaved: bool = False):
                  interleaved=bool(interleaved))
     kernel(op)(x=x, positions=positions)
     return x
+
+
+def _weight_format(weight, weight_format: str, in_features: int) -> ir.WeightFormat:
+    _need_dims("weight", weight, 2, "[rows, in_features / block * block_bytes] uint8")
+    if weight_format not in ir.WEIGHT_FORMATS:
+        raise ValueError(f"weight_format: must be one of {sorted(ir.WEIGHT_FORMATS)}, got {weight_format!r}")
+    fmt = ir.WEIGHT_FORMATS[weight_format]
+    if in_features % fmt.block or weight.shape[1] != fmt.row_bytes(in_features):
+        raise ValueError(f"weight: {weight_format} rows of {in_features} weights are {fmt.row_bytes(in_features)} bytes "
+                         f"(in_features a multiple of {fmt.block}), got shape {tuple(weight.shape)}")
+    return fmt
+
+
+def quant_matmul_op(x, weight, weight_format: str) -> ir.QuantMatmul:
+    """The ir.QuantMatmul of x [T, K] and packed weight [N, row_bytes] uint8 (the friendly call's inference)."""
+    _need_dims("x", x, 2, "[num_tokens, in_features]")
+    _weight_format(weight, weight_format, x.shape[1])
+    return ir.QuantMatmul(in_features=x.shape[1], out_features=weight.shape[0], weight_format=weight_format,
+                          dtype=_kv_dtype("x", x))
+
+
+def quant_matmul(x, weight, weight_format: str, out=None):
+    """out [T, N] = x [T, K] @ W^T over GGUF blocks weight [N, K / block * nbytes] uint8 (ir.QuantMatmul), x and
+    out bf16, fp16 or fp32. Returns out (allocated when None: not graph-safe). A per-layer caller keeps
+    kernel(quant_matmul_op(...)).launcher({"weight": weight}, {"x": x, "out": out}) instead (checks once)."""
+    op = quant_matmul_op(x, weight, weight_format)
+    out = torch.empty((x.shape[0], op.out_features), dtype=x.dtype, device=x.device) if out is None else out
+    kernel(op)(x=x, weight=weight, out=out)
+    return out
+
+
+def dequantize(weight, weight_format: str, in_features: int, dtype: torch.dtype = torch.bfloat16, out=None):
+    """W [rows, K] in dtype (bf16, fp16, fp32) decoded from GGUF blocks weight [rows, K / block * nbytes] uint8
+    (ir.Dequantize, bit-exact to reference.dequantize_blocks rounded to dtype); returns out (allocated when None)."""
+    _weight_format(weight, weight_format, int(in_features))
+    if out is None:
+        out = torch.empty((weight.shape[0], int(in_features)), dtype=dtype, device=weight.device)
+    op = ir.Dequantize(in_features=int(in_features), weight_format=weight_format, dtype=_kv_dtype("out", out))
+    kernel(op)(weight=weight, out=out)
+    return out
 
 
 def capture_graph(fns, calls: int = 1, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:

@@ -133,9 +133,42 @@ class ReshapeConfig:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class QuantMatmulConfig:
+    """quant_matmul on CUDA (uacompile/quant_matmul.cuh's tensor-core kernel; the float32 op runs on CUDA cores
+    and takes no config). Each field holds one value a token tile size, the kernels of 1-8, 9-16, 17-32 and 33+
+    tokens (an int sets all four); None leaves it to the built-in rule (render.quant_matmul_tiles, from the
+    H200 sweep of bench/quant_matmul_sweep.py).
+
+    warps: warps a block, splitting K into units of 256 weights (added up in the block at the end).
+    stages: units a warp has in flight (cp.async into shared memory), 2-8.
+    m_tiles: 16-row weight tiles a warp (1, 2 or 4): more rows a warp reuse each activation fragment more.
+    """
+
+    warps: tuple[int, int, int, int] | int | None = None
+    stages: tuple[int, int, int, int] | int | None = None
+    m_tiles: tuple[int, int, int, int] | int | None = None
+
+    def __post_init__(self):
+        allowed = {"warps": (1, 2, 4, 8), "stages": tuple(range(2, 9)), "m_tiles": (1, 2, 4)}
+        for name, ok in allowed.items():
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, int) and not isinstance(v, bool):
+                v = (v,) * 4
+                object.__setattr__(self, name, v)
+            if not (isinstance(v, tuple) and len(v) == 4 and all(isinstance(x, int) and x in ok for x in v)):
+                raise IRError(f"QuantMatmulConfig.{name}", f"must be one of {ok} or 4 of them (a token tile size "
+                                                           f"each), got {getattr(self, name)!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def config_of(kernel: ir.Kernel) -> AttentionConfig:
     """A paged-attention kernel's config (the default one where none is given)."""
     return kernel.config if kernel.config is not None else AttentionConfig()
 
 
-__all__ = ["AttentionConfig", "ReshapeConfig", "config_of"]
+__all__ = ["AttentionConfig", "QuantMatmulConfig", "ReshapeConfig", "config_of"]

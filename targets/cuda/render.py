@@ -26,7 +26,7 @@ import jinja2
 
 from uacompile import ir
 
-from .config import ReshapeConfig, config_of
+from .config import QuantMatmulConfig, ReshapeConfig, config_of
 from .layout import (TEMPLATE, check, cp_producer_below, cp_row_lanes, dynamic_prefill, layout, pdl, q_prefetch_min,
                      wgmma_width)
 
@@ -210,6 +210,67 @@ def _rope(op: ir.Rope, arch: str):
                                    inv_freq=_inv_freq(op.rope_theta, op.head_dim, op.freq_factors))
 
 
+FMT_ENUMS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+
+
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a block (sm_80: 163 KB; sm_90: 227 KB)
+
+
+def quant_matmul_smem(op: ir.QuantMatmul, warps: int, stages: int, m_tiles: int, token_tiles: int) -> int:
+    """Shared memory of a block of the tensor-core kernel (QuantMatmul<...>::SMEM_BYTES of quant_matmul.cuh)."""
+    f = op.format
+    ub = 256 // f.block * f.nbytes
+    stride = ((ub + 15) // 16 + 1) | 1
+    ring = warps * stages * 16 * m_tiles * stride * 16
+    red = warps * m_tiles * token_tiles * 4 * 32 * 4 if warps > 1 else 0
+    return max(ring, red)
+
+
+TOKEN_TILES = (1, 2, 4, 8)  # 8-token tiles of the kernels of 1-8, 9-16, 17-32 and 33+ tokens
+
+
+def quant_matmul_tiles(op: ir.QuantMatmul, cfg: QuantMatmulConfig | None = None) -> list[tuple[int, int, int]]:
+    """(warps, stages, m_tiles) of each token tile size: the config's fields where set, else the rule. The rule
+    (H200, bench/quant_matmul_sweep.py, Qwen3-8B shapes): N <= 8192 rows (too few 16-row blocks to fill 132 SMs
+    at 4 warps) split K 8 ways; 1-8 tokens keep one 16-row tile a warp (4 units in flight where the ring stays
+    within 100 KB a block, else 2), more tokens take two tiles with 2 units in flight; 9-16 tokens of wide layers
+    split K 8 ways too."""
+    small = op.out_features <= 8192
+    out = []
+    for i, nt in enumerate(TOKEN_TILES):
+        mt = 1 if i == 0 else 2
+        w = 8 if small or i == 1 else 4
+        st = 4 if i == 0 and small and quant_matmul_smem(op, w, 4, mt, nt) <= 100 * 1024 else 2
+        if cfg is not None:
+            w = cfg.warps[i] if cfg.warps else w
+            st = cfg.stages[i] if cfg.stages else st
+            mt = cfg.m_tiles[i] if cfg.m_tiles else mt
+        out.append((w, st, mt))
+    return out
+
+
+def quant_matmul_fits(op: ir.QuantMatmul, cfg: QuantMatmulConfig | None = None, limit: int = SMEM_LIMIT) -> bool:
+    return all(quant_matmul_smem(op, w, st, mt, nt) <= limit
+               for (w, st, mt), nt in zip(quant_matmul_tiles(op, cfg), TOKEN_TILES))
+
+
+def _quant_matmul(kernel: ir.Kernel, arch: str):
+    """16-bit activations run on tensor cores (quant_matmul_tiles), float32 on CUDA cores."""
+    op = kernel.op
+    cfg = kernel.config if isinstance(kernel.config, QuantMatmulConfig) else None
+    if op.dtype != "fp32" and not quant_matmul_fits(op, cfg):
+        raise ir.IRError("QuantMatmulConfig", f"{cfg} needs more than {SMEM_LIMIT} bytes of shared memory a block "
+                                               f"for {op.weight_format}: fewer warps, stages or m_tiles")
+    return "cuda/quant_matmul.cu.j2", dict(
+        N=op.out_features, K=op.in_features, fmt=op.weight_format, fmt_enum=FMT_ENUMS[op.weight_format],
+        c_type=ir.DTYPES[op.dtype].c, tensor_cores=op.dtype != "fp32", tiles=quant_matmul_tiles(op, cfg))
+
+
+def _dequantize(op: ir.Dequantize, arch: str):
+    return "cuda/dequantize.cu.j2", dict(K=op.in_features, fmt=op.weight_format, fmt_enum=FMT_ENUMS[op.weight_format],
+                                         c_type=ir.DTYPES[op.dtype].c, threads=256)
+
+
 CONTEXT_BUILDERS = {
     "reshape_and_cache": _reshape_and_cache,
     "copy_blocks": lambda op, arch: ("cuda/copy_blocks.cu.j2", _page_copy(op)),
@@ -219,6 +280,8 @@ CONTEXT_BUILDERS = {
     "rms_norm": _rms_norm,
     "silu_and_mul": _silu_and_mul,
     "rope": _rope,
+    "quant_matmul": _quant_matmul,
+    "dequantize": _dequantize,
 }
 
 
@@ -229,7 +292,7 @@ def render_op(op: ir.OpSpec | ir.Kernel, arch: str = "sm_90") -> str:
     op = kernel.op
     if op.kind not in CONTEXT_BUILDERS:
         raise ir.IRError("op", f"has no CUDA template: {op.kind!r} (have {sorted(CONTEXT_BUILDERS)})")
-    builder_arg = kernel if op.kind in ("paged_attention", "reshape_and_cache") else op
+    builder_arg = kernel if op.kind in ("paged_attention", "reshape_and_cache", "quant_matmul") else op
     template, ctx = CONTEXT_BUILDERS[op.kind](builder_arg, arch)
     common = dict(op=op, symbol=kernel.symbol(), ns=f"{kernel.symbol()}_impl", signature=ir.c_signature(kernel))
     return environment().get_template(template).render(**common, **ctx)

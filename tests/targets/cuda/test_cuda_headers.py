@@ -98,6 +98,29 @@ __global__ void ptx_kernel(float* out, const uint4* in) {
   out[threadIdx.x] = c[0] + c[1] + c[2] + c[3] + (float)ua::pack2<true>(c[2], c[3]);
 }
 """,
+    "quant_matmul.cuh": """
+template <ua::qm::Fmt F, class T, int MT, int NT, int W, int S>
+__global__ void qm_kernel(const T* x, const uint8_t* w, T* out, int64_t n) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  ua::qm::QuantMatmul<F, T, MT, NT, W, S>::kernel(x, w, out, n, 4096, 4096, smem);
+}
+template <ua::qm::Fmt F, class T>
+__global__ void qm_simple(const T* x, const uint8_t* w, T* out, int64_t n) {
+  ua::qm::quant_matmul_simple<F, T>(x, w, out, n, 4096, 576);
+}
+template <ua::qm::Fmt F, class T>
+__global__ void qm_dequantize(const uint8_t* w, T* out, int64_t n) { ua::qm::dequantize<F, T>(w, out, n, 4096); }
+template __global__ void qm_kernel<ua::qm::Fmt::Q8_0, ua::bf16, 1, 1, 4, 2>(const ua::bf16*, const uint8_t*, ua::bf16*, int64_t);
+template __global__ void qm_kernel<ua::qm::Fmt::Q4_0, half, 2, 2, 8, 2>(const half*, const uint8_t*, half*, int64_t);
+template __global__ void qm_kernel<ua::qm::Fmt::Q4_1, ua::bf16, 2, 4, 4, 3>(const ua::bf16*, const uint8_t*, ua::bf16*, int64_t);
+template __global__ void qm_kernel<ua::qm::Fmt::Q4_K, half, 1, 8, 4, 2>(const half*, const uint8_t*, half*, int64_t);
+template __global__ void qm_kernel<ua::qm::Fmt::Q5_K, ua::bf16, 1, 1, 1, 4>(const ua::bf16*, const uint8_t*, ua::bf16*, int64_t);
+template __global__ void qm_kernel<ua::qm::Fmt::Q6_K, half, 2, 2, 2, 2>(const half*, const uint8_t*, half*, int64_t);
+template __global__ void qm_simple<ua::qm::Fmt::Q8_0, float>(const float*, const uint8_t*, float*, int64_t);
+template __global__ void qm_simple<ua::qm::Fmt::Q6_K, float>(const float*, const uint8_t*, float*, int64_t);
+template __global__ void qm_dequantize<ua::qm::Fmt::Q4_1, float>(const uint8_t*, float*, int64_t);
+template __global__ void qm_dequantize<ua::qm::Fmt::Q5_K, half>(const uint8_t*, half*, int64_t);
+""",
     "hopper.cuh": """
 __global__ void hopper_kernel(float* out) {
 #if __CUDA_ARCH__ >= 900

@@ -1,0 +1,114 @@
+"""CPU: the quant_matmul and dequantize templates (GGUF block formats kept packed) render with the IR launcher and
+compile with nvcc for sm_80 and sm_90 (a small set by default, every format x dtype in the slow sweep), the
+tensor-core kernels of small token tiles keep off local memory; the friendly calls reject bad tensors before any
+device work."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from uacompile import ir
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+Q, D = ir.QuantMatmul, ir.Dequantize
+FORMATS = tuple(ir.WEIGHT_FORMATS)
+# the default set: a 32-weight format with K not a multiple of 256 and a K-quant, each in a 16-bit and float32
+SMALL = [Q(576, 1000, "q8_0", "bf16"), Q(4096, 4096, "q4_k", "fp16"), Q(576, 64, "q4_1", "fp32"),
+         D(576, "q4_1", "bf16"), D(4096, "q6_k", "fp32")]
+EVERY = [Q(4096, 4096, f, d) for f in FORMATS for d in ir.FLOAT_DTYPES] + [D(4096, f, d) for f in FORMATS
+                                                                            for d in ir.FLOAT_DTYPES]
+
+
+def test_render_has_the_ir_launcher():
+    from uacompile.targets.cuda.render import render_op
+
+    for op in EVERY + SMALL:
+        src = render_op(op)
+        assert f'extern "C" {ir.c_signature(op)}' in src, op
+        assert re.search(r"namespace\s+" + op.symbol() + "_impl", src)
+        assert "{{" not in src and "{%" not in src
+
+
+def test_config_picks_the_tiles():
+    from uacompile.targets.cuda.config import QuantMatmulConfig
+    from uacompile.targets.cuda.render import render_op
+
+    op = Q(4096, 4096, "q4_0", "bf16")
+    kernel = ir.Kernel(op, QuantMatmulConfig(warps=4, stages=3, m_tiles=(1, 2, 2, 4)))
+    src = render_op(kernel)
+    assert "launch<1, 1, 4, 3>" in src and f"return {kernel.symbol()}_impl::launch<4, 8, 4, 3>" in src
+    assert QuantMatmulConfig(warps=4).warps == (4, 4, 4, 4)
+    with pytest.raises(ir.IRError, match="QuantMatmulConfig.stages"):
+        QuantMatmulConfig(stages=1)
+    with pytest.raises(ir.IRError, match="shared memory"):
+        render_op(ir.Kernel(Q(4096, 4096, "q8_0", "bf16"), QuantMatmulConfig(warps=8, stages=8, m_tiles=4)))
+
+
+def test_every_rule_tile_fits():
+    from uacompile.targets.cuda.render import quant_matmul_fits, quant_matmul_tiles
+
+    for f in FORMATS:
+        for K, N in ((4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (256, 100)):
+            op = Q(K, N, f, "bf16")
+            assert quant_matmul_fits(op), (op, quant_matmul_tiles(op))
+
+
+def _build(ops, arch):
+    from uacompile.targets.cuda.build import build
+    from uacompile.targets.cuda.loader import load_library
+
+    res = build(ops, arch)
+    assert res.path.exists() and res.arch == arch
+    lib = load_library(res.path, ops, res)
+    for op in ops:
+        assert lib.function(op) is not None
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_quant_ops_compile_and_export_launchers(arch):
+    _build(SMALL, arch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_format_and_dtype_compiles(arch):
+    _build(EVERY, arch)
+
+
+def test_small_token_tiles_do_not_spill(tmp_path):
+    """ptxas -v on sm_90: the 1-16 token kernels and dequantize keep off local memory for every format."""
+    from uacompile.targets.cuda.build import INCLUDE_DIR
+    from uacompile.targets.cuda.render import render_op
+
+    src = tmp_path / "q.cu"
+    ops = [Q(4096, 4096, f, "bf16") for f in FORMATS] + [D(4096, f, "fp16") for f in FORMATS]
+    src.write_text("\n".join(render_op(op, "sm_90") for op in ops))
+    proc = subprocess.run(["nvcc", "-O3", "-std=c++17", "-arch=sm_90", f"-I{INCLUDE_DIR}", "-Xptxas", "-v", "-c",
+                           str(src), "-o", str(tmp_path / "q.o")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # ptxas prints each entry's "Compiling entry function '<name>'" then its spill line
+    entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", proc.stderr, re.S)
+    assert entries
+    small = [(name, int(n)) for name, n in entries if re.search(r"kernelILi\dELi[12]E", name) or "dequantize" in name]
+    assert small and all(n == 0 for _, n in small), small
+
+
+def test_friendly_calls_reject_bad_tensors():
+    torch = pytest.importorskip("torch")
+    from uacompile.targets.cuda import api
+
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="weight_format"):
+        api.quant_matmul(x, torch.zeros(8, 68, dtype=torch.uint8), "q3_k")
+    with pytest.raises(ValueError, match="68 bytes"):
+        api.quant_matmul(x, torch.zeros(8, 70, dtype=torch.uint8), "q8_0")
+    with pytest.raises(ValueError, match="x: expected 2 dims"):
+        api.quant_matmul(x[None], torch.zeros(8, 68, dtype=torch.uint8), "q8_0")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        api.dequantize(torch.zeros(8, 210, dtype=torch.uint8), "q6_k", 128)
+    op = api.quant_matmul_op(x, torch.zeros(8, 68, dtype=torch.uint8), "q8_0")
+    assert op == Q(64, 8, "q8_0", "bf16")
