@@ -72,7 +72,13 @@ def render(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bo
 
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:
     """Token ids of a rendered chat prompt: a leading BOS text becomes the BOS token (the SPM
-    tokenizer does not parse special tokens inside text)."""
-    if tokenizer.bos_token and text.startswith(tokenizer.bos_token):
-        return tokenizer.encode(text[len(tokenizer.bos_token):], add_special_tokens=True)
+    tokenizer does not parse special tokens inside text), once; the rest is encoded without adding
+    BOS again. A tokenizer that adds no BOS of its own (SmolLM2: its BOS text <|im_start|> opens every
+    turn) keeps that leading token too: the prompt's ids are the template's text, as llama.cpp and
+    transformers tokenize it."""
+    bos = tokenizer.bos_token
+    if bos and text.startswith(bos) and tokenizer.bos_token_id is not None:
+        if tokenizer.add_bos:
+            return tokenizer.encode(text[len(bos):], add_special_tokens=True)
+        return [tokenizer.bos_token_id] + tokenizer.encode(text[len(bos):], add_special_tokens=False)
     return tokenizer.encode(text, add_special_tokens=False)

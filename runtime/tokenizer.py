@@ -214,14 +214,16 @@ class HFTokenizer(Tokenizer):
 @dataclass(frozen=True)
 class BPEPre:
     """How a byte-level BPE vocab splits text before the merges: the split regex of the model's
-    tokenizer.json (None: GPT-2's, built into the ByteLevel pre-tokenizer), NFC normalisation first,
-    whether a word found whole in the vocab skips the merges, and whether BOS is added when the GGUF
-    has no tokenizer.ggml.add_bos_token (llama.cpp's defaults per pre-tokenizer)."""
+    tokenizer.json (None: GPT-2's, built into the ByteLevel pre-tokenizer), whether every digit (\\p{N})
+    is split off on its own before that regex (llama.cpp's "\\p{N}" first regex; HF's Digits(individual_digits)),
+    NFC normalisation first, whether a word found whole in the vocab skips the merges, and whether BOS is
+    added when the GGUF has no tokenizer.ggml.add_bos_token (llama.cpp's defaults per pre-tokenizer)."""
 
     regex: str | None
     nfc: bool = False
     ignore_merges: bool = False
     add_bos: bool = False
+    split_digits: bool = False
 
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -229,6 +231,9 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 # tokenizer.ggml.pre (llama.cpp's name for the pre-tokenizer) -> the HF tokenizer.json it was converted from
 BPE_PRE = {
     "gpt-2": BPEPre(None),
+    # llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM (llama-vocab.cpp, as STARCODER / REFACT): the regexes "\p{N}"
+    # then GPT-2's, no BOS by default; SmolLM / SmolLM2's tokenizer.json: Digits(individual) then ByteLevel
+    "smollm": BPEPre(None, split_digits=True),
     "qwen2": BPEPre(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                     r"|\s*[\r\n]+|\s+(?!\S)|\s+", nfc=True),
     "llama-bpe": BPEPre(LLAMA3_SPLIT, ignore_merges=True, add_bos=True),
@@ -297,12 +302,13 @@ def bpe_from_gguf_fields(fields: dict) -> HFTokenizer:
                           byte_fallback=False))
     if pre.nfc:
         tok.normalizer = normalizers.NFC()
+    splits = [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated", invert=False)] if pre.split_digits else []
     if pre.regex is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(pre.regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        splits.append(pre_tokenizers.Split(Regex(pre.regex), behavior="isolated", invert=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level]) if splits else byte_level
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, k in zip(tokens, types) if k == CONTROL])

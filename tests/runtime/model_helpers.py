@@ -152,3 +152,27 @@ def write_every_format_gguf(path, seed: int = 3):
             w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(E)).astype(np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return path
+
+
+@torch.inference_mode()
+def prompt_logprobs(executor, ids: list[int], chunk: int = 512) -> np.ndarray:
+    """log p(ids[i + 1] | ids[:i + 1]) for every i, from the runtime's own forward (its kernels, the paged KV
+    cache), chunk tokens a step with every row's logits kept (the engine keeps only the sampled rows'): the
+    per-token log-probabilities a perplexity needs. Returns float64 [len(ids) - 1]."""
+    from uacompile.runtime.step import device_step, host_step
+
+    P = executor.page_size
+    s = Sequence(0, list(ids), len(ids), SamplingParams())
+    s.block_table = list(range(-(-len(ids) // P)))
+    assert len(s.block_table) <= executor.kv.shape[2], "KV cache too small for the text"
+    rows = []
+    while s.num_computed_tokens < len(ids):
+        n = min(chunk, len(ids) - s.num_computed_tokens)
+        executor.staging.flip()
+        hs = host_step(ScheduledBatch(seqs=[s], num_new_tokens=[n], sample=[True]), P)
+        step = device_step(hs, executor.staging)
+        plan = executor.kernels.plan_step(len(hs.input_ids), len(hs.page_table), hs.page_table.shape[1] * P)
+        rows.append(torch.log_softmax(executor.model.logits(executor.forward(step, plan)).double(), -1).cpu())
+        s.num_computed_tokens += n
+    lp = torch.cat(rows)[:-1]
+    return lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1))[:, 0].numpy()

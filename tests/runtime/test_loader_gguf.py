@@ -262,6 +262,7 @@ PRE_SPLITS = {  # "I'M HTTPServer 1234567 x" as each pre-tokenizer splits it
     "qwen2": ["I", "'M", " HTTPServer", " ", "1", "2", "3", "4", "5", "6", "7", " x"],  # single digits
     "llama-bpe": ["I", "'M", " HTTPServer", " ", "123", "456", "7", " x"],  # digits in threes
     "tekken": ["I", "'M", " HTTPServer", " ", "1", "2", "3", "4", "5", "6", "7", " x"],
+    "smollm": ["I", "'", "M", " HTTPServer", " ", "1", "2", "3", "4", "5", "6", "7", " x"],  # digits first, then GPT-2's
 }
 
 
