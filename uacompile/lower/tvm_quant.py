@@ -8,7 +8,8 @@ w = A_g * q + B_g over its group's A_g, B_g (scale, offset: q4_1's d and m, Q4_K
 quant_matmul: out[t, n] = sum_g A_g * (x_g . q_g) + B_g * sum(x_g): each parallel task takes `rows` output rows
 and a tile of `token_tile` tokens at a time; it sums x over each group of the tile once, then per row and group
 decodes the group's quants into 16-lane float32 vectors once, multiplies them into the tile's tokens and
-accumulates A_g * partial in 16 float32 lanes a token (B_g * sum(x_g) in one scalar a token), in float32.
+accumulates A_g * partial in 16 float32 lanes a token (B_g * sum(x_g) in one scalar a token), in float32. One
+token (decode) takes a copy of the loops with a tile of one.
 dequantize: out[r, k] = dtype(w) in the reference's float32 arithmetic (reference.dequantize_blocks: every
 product in it is exact in float32, so the one rounding is the add, as in ggml), one parallel task a row.
 """
@@ -184,51 +185,66 @@ def quant_matmul(kernel, gpu: bool):
             s = s + x_f32(x, t, k0 + r * LANES + l) * qf[r, l]
         return s
 
+    def body(TT: int):  # every row's out[t, n], the tokens TT at a time
+        @T.macro
+        def run(x, weight, out, num_tokens):
+            for task in T.parallel((N + ROWS - 1) // ROWS):
+                xs = T.alloc_buffer((TT, NB * NG), "float32")  # sum of x over each group, per token
+                qf = T.alloc_buffer((GR, LANES), "float32")  # one group's quants
+                acc = T.alloc_buffer((TT, LANES), "float32")  # A_g * (x_g . q_g), 16 lanes a token
+                accb = T.alloc_buffer((TT,), "float32")  # B_g * sum(x_g)
+                sc = T.alloc_buffer((2,), "float32")  # A_g, B_g
+                for tile in T.serial((num_tokens + TT - 1) // TT):
+                    if with_b:
+                        for t in T.serial(TT):
+                            if tile * TT + t < num_tokens:
+                                for g in T.serial(NB * NG):
+                                    xs[t, g] = T.float32(0)
+                                    for e in T.serial(GW):
+                                        xs[t, g] = xs[t, g] + f32(x[tile * TT + t, g * GW + e])
+                    for rr in T.serial(ROWS):
+                        if task * ROWS + rr < N:
+                            n: T.let[T.int64] = T.Cast("int64", task * ROWS + rr)
+                            for t in T.serial(TT):
+                                accb[t] = T.float32(0)
+                                for l in T.vectorized(LANES):
+                                    acc[t, l] = T.float32(0)
+                            for b in block_loop(NB):
+                                for g in T.unroll(NG):
+                                    for r in T.unroll(GR):
+                                        for l in T.vectorized(LANES):
+                                            qf[r, l] = f32(L.quant(weight, n, b * BW, g * GR + r, l))
+                                    sc[0] = scale_a(weight, n, b * BW, g)
+                                    if with_b:
+                                        sc[1] = scale_b(weight, n, b * BW, g)
+                                    for t in T.unroll(TT):
+                                        if tile * TT + t < num_tokens:
+                                            for l in T.vectorized(LANES):
+                                                acc[t, l] = acc[t, l] + sc[0] * partial(x, qf, tile * TT + t, b * BK + g * GW, l)
+                                            if with_b:
+                                                accb[t] = accb[t] + sc[1] * xs[t, b * NG + g]
+                            for t in T.serial(TT):
+                                if tile * TT + t < num_tokens:
+                                    for l in T.serial(LANES):
+                                        accb[t] = accb[t] + acc[t, l]
+                                    out[tile * TT + t, n] = T.Cast(dt, accb[t])
+
+        return run
+
+    general = body(TT)
+    single = body(1)  # decode's one token: no token loop, no guards
+
     @T.prim_func
     def kernel_fn(x_h: T.handle, w_h: T.handle, o_h: T.handle, num_tokens: T.int64):
         x = T.match_buffer(x_h, (num_tokens, K), dt, align=ALIGN)
         weight = T.match_buffer(w_h, (N, RB), "uint8", align=ALIGN)
         out = T.match_buffer(o_h, (num_tokens, N), dt, align=ALIGN)
-        for task in T.parallel((N + ROWS - 1) // ROWS):
-            xs = T.alloc_buffer((TT, NB * NG), "float32")  # sum of x over each group, per token
-            qf = T.alloc_buffer((GR, LANES), "float32")  # one group's quants
-            acc = T.alloc_buffer((TT, LANES), "float32")  # A_g * (x_g . q_g), 16 lanes a token
-            accb = T.alloc_buffer((TT,), "float32")  # B_g * sum(x_g)
-            sc = T.alloc_buffer((2,), "float32")  # A_g, B_g
-            for tile in T.serial((num_tokens + TT - 1) // TT):
-                if with_b:
-                    for t in T.serial(TT):
-                        if tile * TT + t < num_tokens:
-                            for g in T.serial(NB * NG):
-                                xs[t, g] = T.float32(0)
-                                for e in T.serial(GW):
-                                    xs[t, g] = xs[t, g] + f32(x[tile * TT + t, g * GW + e])
-                for rr in T.serial(ROWS):
-                    if task * ROWS + rr < N:
-                        n: T.let[T.int64] = T.Cast("int64", task * ROWS + rr)
-                        for t in T.serial(TT):
-                            accb[t] = T.float32(0)
-                            for l in T.vectorized(LANES):
-                                acc[t, l] = T.float32(0)
-                        for b in block_loop(NB):
-                            for g in T.unroll(NG):
-                                for r in T.unroll(GR):
-                                    for l in T.vectorized(LANES):
-                                        qf[r, l] = f32(L.quant(weight, n, b * BW, g * GR + r, l))
-                                sc[0] = scale_a(weight, n, b * BW, g)
-                                if with_b:
-                                    sc[1] = scale_b(weight, n, b * BW, g)
-                                for t in T.unroll(TT):
-                                    if tile * TT + t < num_tokens:
-                                        for l in T.vectorized(LANES):
-                                            acc[t, l] = acc[t, l] + sc[0] * partial(x, qf, tile * TT + t, b * BK + g * GW, l)
-                                        if with_b:
-                                            accb[t] = accb[t] + sc[1] * xs[t, b * NG + g]
-                        for t in T.serial(TT):
-                            if tile * TT + t < num_tokens:
-                                for l in T.serial(LANES):
-                                    accb[t] = accb[t] + acc[t, l]
-                                out[tile * TT + t, n] = T.Cast(dt, accb[t])
+        if TT == 1:
+            general(x, weight, out, num_tokens)
+        elif num_tokens == 1:
+            single(x, weight, out, num_tokens)
+        else:
+            general(x, weight, out, num_tokens)
 
     return kernel_fn
 
