@@ -34,14 +34,17 @@ class BlockLayout:
     """How one format's block decodes, as TIR expressions over the weight buffer W at row n, block byte bb.
 
     runs: runs of 16 weights a block; group_runs: runs a scale group; quant(W, n, bb, r, l): the int32 quant of
-    lane l of run r; scales(W, n, bb, g): (A, B) float32 of group g, w = A * q + B (matmul form);
-    weight(W, n, bb, r, l): w in the reference's order of float32 operations (dequantize)."""
+    lane l of run r; scales(W, n, bb, g, hd): (A, B) float32 of group g, w = A * q + B (matmul form), hd(i) the
+    block's fp16 header field i as float32; weight(W, n, bb, r, l): w in the reference's order of float32
+    operations (dequantize); header: (first, count) of the block's fp16 fields (d, and m or dmin) counted in
+    fp16 units, which quant_matmul loads as one vector a block."""
 
     runs: int
     group_runs: int
     quant: Callable
     scales: Callable
     weight: Callable
+    header: tuple
 
     @property
     def groups(self) -> int:
@@ -71,13 +74,13 @@ def _layout(fmt: str) -> BlockLayout:
         def quant(W, n, bb, r, l):
             return i32(tirx.Cast("int8", W[n, bb + 2 + 16 * r + l]))
 
-        def scales(W, n, bb, g):
-            return half(W, n, bb), f32c(0.0)
+        def scales(W, n, bb, g, hd):
+            return hd(0), f32c(0.0)
 
         def weight(W, n, bb, r, l):
             return half(W, n, bb) * f32(quant(W, n, bb, r, l))
 
-        return BlockLayout(2, 2, quant, scales, weight)
+        return BlockLayout(2, 2, quant, scales, weight, (0, 1))
     if fmt in ("q4_0", "q4_1"):
         qs = 2 if fmt == "q4_0" else 4
 
@@ -85,20 +88,19 @@ def _layout(fmt: str) -> BlockLayout:
             return i32((byte(W, n, bb + qs + l) >> tirx.Cast("uint32", 4 * r)) & u32(15))
 
         if fmt == "q4_0":
-            def scales(W, n, bb, g):
-                d = half(W, n, bb)
-                return d, f32c(-8.0) * d
+            def scales(W, n, bb, g, hd):
+                return hd(0), f32c(-8.0) * hd(0)
 
             def weight(W, n, bb, r, l):
                 return (f32(quant(W, n, bb, r, l)) - f32c(8.0)) * half(W, n, bb)
         else:
-            def scales(W, n, bb, g):
-                return half(W, n, bb), half(W, n, bb + 2)
+            def scales(W, n, bb, g, hd):
+                return hd(0), hd(1)
 
             def weight(W, n, bb, r, l):
                 return f32(quant(W, n, bb, r, l)) * half(W, n, bb) + half(W, n, bb + 2)
 
-        return BlockLayout(2, 2, quant, scales, weight)
+        return BlockLayout(2, 2, quant, scales, weight, (0, 1 if fmt == "q4_0" else 2))
     if fmt in ("q4_k", "q5_k"):
         ql = 48 if fmt == "q5_k" else 16
 
@@ -117,15 +119,15 @@ def _layout(fmt: str) -> BlockLayout:
                 q = q | (((byte(W, n, bb + 16 + e) >> tirx.Cast("uint32", j)) & u32(1)) << u32(4))
             return i32(q)
 
-        def scales(W, n, bb, g):
+        def scales(W, n, bb, g, hd):
             sc, m = sc_m(W, n, bb, g)
-            return half(W, n, bb) * sc, f32c(0.0) - half(W, n, bb + 2) * m
+            return hd(0) * sc, f32c(0.0) - hd(1) * m
 
         def weight(W, n, bb, r, l):
             sc, m = sc_m(W, n, bb, tirx.floordiv(r, 2))
             return (half(W, n, bb) * sc) * f32(quant(W, n, bb, r, l)) - half(W, n, bb + 2) * m
 
-        return BlockLayout(16, 2, quant, scales, weight)
+        return BlockLayout(16, 2, quant, scales, weight, (0, 2))
     if fmt == "q6_k":
         def quant(W, n, bb, r, l):
             # half h = r // 8 of 128 weights; its run of 32 rr = (r % 8) // 2 (ql[64h + 32 (rr % 2) + e] nibble rr // 2,
@@ -139,13 +141,13 @@ def _layout(fmt: str) -> BlockLayout:
         def scale(W, n, bb, r):  # run r's scale: d * scales[r]
             return half(W, n, bb + 208) * f32(tirx.Cast("int8", W[n, bb + 192 + r]))
 
-        def scales(W, n, bb, g):
-            return scale(W, n, bb, g), f32c(0.0)
+        def scales(W, n, bb, g, hd):
+            return hd(0) * f32(tirx.Cast("int8", W[n, bb + 192 + g])), f32c(0.0)
 
         def weight(W, n, bb, r, l):
             return scale(W, n, bb, r) * f32(quant(W, n, bb, r, l))
 
-        return BlockLayout(16, 1, quant, scales, weight)
+        return BlockLayout(16, 1, quant, scales, weight, (104, 1))
     raise ValueError(f"unknown weight format {fmt!r}")
 
 
@@ -170,11 +172,13 @@ def quant_matmul(kernel, gpu: bool):
     block_loop = T.unroll if cfg.unroll_dot else T.serial
     with_b = _has_offset(op.weight_format)
 
-    def scale_a(W, n, bb, g):
-        return L.scales(W, n, bb, g)[0]
+    H0, NH = L.header
 
-    def scale_b(W, n, bb, g):
-        return L.scales(W, n, bb, g)[1]
+    def scale_a(W, n, bb, g, hdr):
+        return L.scales(W, n, bb, g, lambda i: hdr[i])[0]
+
+    def scale_b(W, n, bb, g, hdr):
+        return L.scales(W, n, bb, g, lambda i: hdr[i])[1]
 
     def x_f32(x, t, k):
         return f32(x[t, k])
@@ -194,6 +198,8 @@ def quant_matmul(kernel, gpu: bool):
                 acc = T.alloc_buffer((TT, LANES), "float32")  # A_g * (x_g . q_g), 16 lanes a token
                 accb = T.alloc_buffer((TT,), "float32")  # B_g * sum(x_g)
                 sc = T.alloc_buffer((2,), "float32")  # A_g, B_g
+                hdr = T.alloc_buffer((2,), "float32")  # the block's fp16 fields
+                weight_h = T.decl_buffer((N * RB // 2,), "float16", data=weight.data)  # the same bytes as fp16
                 for tile in T.serial((num_tokens + TT - 1) // TT):
                     if with_b:
                         for t in T.serial(TT):
@@ -210,13 +216,15 @@ def quant_matmul(kernel, gpu: bool):
                                 for l in T.vectorized(LANES):
                                     acc[t, l] = T.float32(0)
                             for b in block_loop(NB):
+                                for v in T.vectorized(NH):  # the block's fp16 fields, one load
+                                    hdr[v] = f32(weight_h[n * (RB // 2) + b * (BW // 2) + H0 + v])
                                 for g in T.unroll(NG):
                                     for r in T.unroll(GR):
                                         for l in T.vectorized(LANES):
                                             qf[r, l] = f32(L.quant(weight, n, b * BW, g * GR + r, l))
-                                    sc[0] = scale_a(weight, n, b * BW, g)
+                                    sc[0] = scale_a(weight, n, b * BW, g, hdr)
                                     if with_b:
-                                        sc[1] = scale_b(weight, n, b * BW, g)
+                                        sc[1] = scale_b(weight, n, b * BW, g, hdr)
                                     for t in T.unroll(TT):
                                         if tile * TT + t < num_tokens:
                                             for l in T.vectorized(LANES):
