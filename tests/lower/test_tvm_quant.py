@@ -87,3 +87,22 @@ def test_bad_weight_shape_is_named(rng):
     with pytest.raises(ValueError, match=r"quant_matmul.weight: dim 1 must be 360"):
         cpu_kernel(op)(x=np.zeros((1, 576), np.float32), weight=np.zeros((8, 361), np.uint8),
                        out=np.zeros((1, 8), np.float32))
+
+
+def test_cpu_threads(rng):
+    """A kernel load fixes TVM's pool size at the usable CPUs (TVM alone would halve it on x86); set_cpu_threads
+    resizes it and refuses nonsense; results do not depend on it."""
+    import os
+
+    from uacompile.lower.tvm_build import set_cpu_threads
+
+    op = QuantMatmul(576, 96, "q4_1", "fp32")
+    check_matmul(op, 2, rng)
+    assert int(os.environ["TVM_NUM_THREADS"]) >= 1
+    try:
+        set_cpu_threads(1)
+        check_matmul(op, 2, rng)
+    finally:
+        set_cpu_threads(int(os.environ["TVM_NUM_THREADS"]))
+    with pytest.raises(ValueError, match="set_cpu_threads"):
+        set_cpu_threads(0)
