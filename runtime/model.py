@@ -446,7 +446,7 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.cfg
         for path, module in self.projections().items():
             parts = sorted(by_target.get(f"{path}.weight", []), key=lambda p: p[1])
-            formats = [weights.stored_format(name) for name, _, _ in parts]
+            formats = [weights.stored_format(name) if name in weights else None for name, _, _ in parts]
             if not parts or not all(f in packed for f in formats):
                 continue
             runs: list[Part] = []
@@ -456,7 +456,7 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     runs.append(Part(f, start, stop))
             self.set_submodule(path, QuantLinear(module.in_features, runs, module.bias is not None, self.dtype))
-        fmt = weights.stored_format("model.embed_tokens.weight")
+        fmt = weights.stored_format("model.embed_tokens.weight") if "model.embed_tokens.weight" in weights else None
         if fmt in packed:
             self.model.embed_tokens = QuantEmbedding(cfg.vocab_size, cfg.hidden_size, fmt, self.dtype)
             if cfg.tie_word_embeddings:

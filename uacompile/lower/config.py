@@ -30,7 +30,9 @@ class TVMConfig:
       dot_lanes: fp32 partial sums of the q.k dot product, vectorised (0: 8, 4 or 1 by head_dim);
       acc_vec: vector width of the softmax-weighted V accumulation over head_dim (0: all of head_dim);
       page_group: KV pages scored before one online-softmax update (the page walk's split factor);
-      unroll_dot: unroll the dot product's loop over head_dim.
+      unroll_dot: unroll the dot product's loop over head_dim (quant_matmul: the loop over a row's blocks);
+      rows: output rows one parallel task takes (quant_matmul, dequantize; 0: lower.tvm_quant's rule);
+      token_tile: tokens quant_matmul multiplies into each decoded group of weights (0: lower.tvm_quant's rule).
     CUDA schedule (TVM's CUDA source):
       lanes: threads sharing one row of head_dim, a power of two (0: the most <= 32 dividing head_dim);
       threads: threads a block; threads // (lanes * heads) lane groups a q head take interleaved KV positions;
@@ -55,6 +57,8 @@ class TVMConfig:
     threads: int = 128
     vec: int = 1
     heads: int = 1
+    rows: int = 0
+    token_tile: int = 0
 
     def __post_init__(self):
         check_splits(self.num_splits, self.fused_merge, "TVMConfig")
@@ -62,7 +66,7 @@ class TVMConfig:
             if not isinstance(getattr(self, name), bool):
                 raise IRError(f"TVMConfig.{name}", f"must be a bool, got {getattr(self, name)!r}")
         for name, lo in (("grain", 1), ("dot_lanes", 0), ("acc_vec", 0), ("page_group", 1), ("lanes", 0),
-                         ("threads", 32), ("vec", 1), ("heads", 1)):
+                         ("threads", 32), ("vec", 1), ("heads", 1), ("rows", 0), ("token_tile", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise IRError(f"TVMConfig.{name}", f"must be an int >= {lo}, got {v!r}")
@@ -141,10 +145,11 @@ class TVMConfig:
         return dict(num_splits=self.num_splits, fused_merge=self.fused_merge)
 
     def to_dict(self) -> dict:
-        """The fields, vec and heads left out at 1 (ir.Kernel's key hashes this)."""
+        """The fields, vec and heads left out at 1 and rows and token_tile at 0 (ir.Kernel's key hashes this, so
+        kernels of the other ops keep their keys)."""
         d = asdict(self)
-        for name in ("vec", "heads"):
-            if d[name] == 1:
+        for name, default in (("vec", 1), ("heads", 1), ("rows", 0), ("token_tile", 0)):
+            if d[name] == default:
                 del d[name]
         return d
 

@@ -20,6 +20,7 @@ import functools
 import importlib.util
 import json
 import logging
+import os
 import platform
 import threading
 import time
@@ -78,12 +79,28 @@ def _load_library(path: Path, symbol: str):
 
 @functools.cache
 def _tvm_runtime() -> None:
-    """Load TVM's runtime library once, globally: a library's parallel loops call into it."""
+    """Load TVM's runtime library once, globally: a library's parallel loops call into it.
+
+    TVM's thread pool takes its size from TVM_NUM_THREADS when it starts, and without it uses half the cores on
+    x86 (it assumes two hyperthreads a core: one thread on a 2-core VM). So TVM_NUM_THREADS defaults here to the
+    CPUs this process may run on; set_cpu_threads lowers the count later."""
+    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     spec = importlib.util.find_spec("tvm")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("the tvm package (apache-tvm) is not installed")
     lib = Path(next(iter(spec.submodule_search_locations))) / "lib" / "libtvm_runtime.so"
     ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+
+
+def set_cpu_threads(n: int) -> None:
+    """Run the CPU kernels' parallel loops on n threads (process-wide; at most TVM_NUM_THREADS, which the first
+    kernel load fixes: by default every CPU this process may use)."""
+    import tvm_ffi
+
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"set_cpu_threads: n must be an int >= 1, got {n!r}")
+    _tvm_runtime()
+    tvm_ffi.get_global_func("runtime.config_threadpool")(1, n)  # 1: TVM's kBig affinity mode (its default)
 
 
 def build_cpu_library(op: OpSpec, out_dir: Path) -> Path:
@@ -153,4 +170,4 @@ def _tvm_view(dtype: str, x):
     return x
 
 
-__all__ = ["cpu_kernel", "CpuKernel", "build_cpu_library", "cpu_cache_key", "cpu_target", "host_cpu"]
+__all__ = ["cpu_kernel", "CpuKernel", "set_cpu_threads", "build_cpu_library", "cpu_cache_key", "cpu_target", "host_cpu"]
