@@ -26,7 +26,7 @@ for phase in "$@"; do
       fi
       [ -f $M/q3-bf16.gguf ] || python3 .peers/make_qwen3_gguf.py $M/q3-bf16.gguf 8b || rc=1
       if [ -n "${UA_GPU_TESTS:-}" ]; then
-        python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -x $UA_GPU_TESTS 2>&1 | tee "$OUT/pytest-gpu.log"
+        python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -n ${UA_GPU_WORKERS:-4} $UA_GPU_TESTS 2>&1 | tee "$OUT/pytest-gpu.log"
         rc=$(( rc || PIPESTATUS[0] ))
       fi
       ;;
