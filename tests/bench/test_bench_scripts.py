@@ -379,3 +379,16 @@ def test_serving_benchmark_reads_llama_batched_bench(tmp_path, monkeypatch):
     row = sg.row(wls[1], "llama.cpp", "q8_0", runs["conc-2"], (0.1, 0.1, 1.0), "fp16")
     assert row["impl"].startswith("llama.cpp") and row["weights"] == "q8_0" and row["decode_step_ms"] == 12.5
     assert row["kv_cache_dtype"] == "fp16"
+
+def test_cpu_single_stream_runs_on_stories260k(tmp_path):
+    """bench/cpu_single_stream.py end to end on the small model (one run, one thread), beside llama.cpp's speed as
+    recorded in tests/data/llama_cpp_reference.json (this interpreter has no llama_cpp): the table and both files."""
+    out = tmp_path / "cpu"
+    r = subprocess.run([sys.executable, str(BENCH / "cpu_single_stream.py"), "--models", "stories260K", "--threads", "1",
+                        "--repeats", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.with_suffix(".json").read_text())
+    (row,) = res["ours"]["stories260K"]
+    assert row["threads"] == 1 and row["decode_tok_s"] > 0 and row["decode_tokens"] == 256
+    assert res["llama_cpp"]["source"].startswith("recorded") and "| stories260K | 1 |" in r.stdout
+    assert "| stories260K | 1 |" in out.with_suffix(".md").read_text()
