@@ -11,6 +11,7 @@ F = torch.nn.functional
 from model_helpers import write_every_format_gguf  # noqa: E402
 
 from uacompile.runtime import LLM, SamplingParams, quant  # noqa: E402
+from uacompile.runtime.engine import Engine, EngineConfig  # noqa: E402
 from uacompile.runtime.kernels import DECODE_ROWS, KernelOps, make_backend  # noqa: E402
 from uacompile.runtime.loader import LoadedModel, load  # noqa: E402
 from uacompile.runtime.model import LlamaForCausalLM, ModelConfig  # noqa: E402
@@ -78,17 +79,23 @@ def test_quantization_at_load_stays_near_bf16(quantization, tol, rng):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     cfg = ModelConfig(**SMALL)
-    ref = LLM(LoadedModel(cfg, None, None), device="cuda", dtype="bfloat16", page_size=16, num_pages=64)
-    q = LLM(LoadedModel(cfg, None, None), device="cuda", dtype="bfloat16", page_size=16, num_pages=64,
-            quantization=quantization)
+
+    def engine(quantization):  # random weights of the same seed, quantised at load or not
+        return Engine(LoadedModel(cfg, None, None), EngineConfig(device="cuda", dtype="bfloat16",
+                                                                 quantization=quantization), page_size=16, num_pages=64)
+
+    ref, q = engine("none"), engine(quantization)
     kind = {"q8_0": quant.QuantLinear, "fp8": quant.Fp8Linear}[quantization]
-    assert all(isinstance(m, kind) for p, m in q.engine.model.projections().items() if p != "lm_head")
-    assert q.engine.model.decode_read_bytes() < 0.6 * ref.engine.model.decode_read_bytes()
+    assert all(isinstance(m, kind) for p, m in q.model.projections().items() if p != "lm_head")
+    assert q.model.decode_read_bytes() < 0.6 * ref.model.decode_read_bytes()
     for tokens in (3, 150):
         ids = rng.integers(0, cfg.vocab_size, size=tokens).tolist()
-        want, got = logits(ref.engine.model, ids, "cuda"), logits(q.engine.model, ids, "cuda")
+        want, got = logits(ref.model, ids, "cuda"), logits(q.model, ids, "cuda")
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert err < tol, f"{quantization}, {tokens} tokens: relative error {err:.3g}"
-    out = q.generate([rng.integers(0, 1024, size=20).tolist()], SamplingParams(temperature=0, max_tokens=8,
-                                                                              ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 8
+    rid = q.add_request(rng.integers(0, 1024, size=20).tolist(), SamplingParams(temperature=0, max_tokens=8,
+                                                                               ignore_eos=True))
+    n = 0
+    while q.has_unfinished():
+        n += sum(len(d.token_ids) for d in q.run_step().deltas if d.request_id == rid)
+    assert n == 8
