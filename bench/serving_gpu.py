@@ -456,7 +456,7 @@ def report(meta: dict, out: Path) -> int:
             "tpot_floor_ms"]
     lines = [f"# Serving, {meta['gpu']}, {meta['date']}", "", f"Model: {meta['model']}. Floors measured in the run: "
              f"bf16 matmul {meta['floors']['matmul_tflops']} TFLOP/s, copy {meta['floors']['copy_gbps']} GB/s.", "",
-             f"Command: `{meta['command']}`", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+             f"Command: `{meta['command']}`", "", *([meta["note"], ""] if meta.get("note") else []), "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "bf16" if c == "weights" else "")) for c in cols) + " |" for r in rows]
     lines += ["", "## Targets", "", "| target | value | met |", "|---|---:|---|"]
     lines += [f"| {c['target']} | {c['value']} | {'yes' if c['met'] else 'no'} |" for c in meta["targets"]]
