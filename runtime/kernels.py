@@ -262,6 +262,9 @@ class KernelBackend(TorchLayerOps):
         """What a step's attention launches need, worked out once before its layers (None: nothing to plan)."""
         return None
 
+    def set_threads(self, n: int) -> None:
+        """Run the backend's CPU kernels on n threads (EngineConfig.cpu_threads); nothing to do off the CPU."""
+
     # the executor's four calls; the scales (float32, per page, slot and KV head) go with a quantised cache only
     def reshape_and_cache(self, k, v, slot_mapping, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
         scales = dict(k_scale=k_scale, v_scale=v_scale) if self.ops.quantized else {}
@@ -376,6 +379,13 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
         if not isinstance(config, TVMConfig) or config.num_splits > 1:
             return None
         return self.cpu_kernel(ir.Kernel(self.ops.attention, config))  # loaded once per process
+
+    def set_threads(self, n: int) -> None:
+        """TVM's pool runs the kernels' parallel loops on n threads (at most TVM_NUM_THREADS: by default every CPU
+        this process may use)."""
+        from uacompile.lower.tvm_build import set_cpu_threads
+
+        set_cpu_threads(n)
 
     def reshape_and_cache(self, k, v, slot_mapping, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
         call = self.raw_call(self.fns["reshape_and_cache"])
