@@ -142,6 +142,10 @@ class TorchLayerOps:
 
 DECODE_ROWS = 64  # cuda: rows up to which a packed projection runs ir.QuantMatmul (decode batches)
 CPU_PACKED_ROWS = 256  # tvm-cpu: the same (TVM's packed matmul beats decoding + torch up to about this many rows)
+# tvm-cpu: tokens a step up to which a layer op runs its TVM kernel, beyond which torch's vector ops win (1 thread:
+# rms_norm 1.4 vs 15 us at one token, 55 vs 31 at 64; silu_and_mul 3.8 vs 5.3 at one, 14 vs 8 at 4; rope 8.8 vs 11 at
+# one, 35 vs 12 at 4: its kernel works each angle's cos / sin out in float64 where torch takes the step's table)
+CPU_LAYER_KERNEL_ROWS = {"rms_norm": 16, "silu_and_mul": 2, "rope": 1}
 
 
 class PackedLinearOps(TorchLayerOps):
@@ -326,11 +330,12 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
     attention runs the tuning database's TVMConfig for the step's bucket (`uacompile tune --target cpu`; tuned:
     a tunedb.Tuned, None: the default database, False: none), else the default schedule.
 
-    The layer ops (rms_norm with the residual add in place, silu_and_mul, rope in place) and the packed matmuls
-    run TVM kernels too. The hot path calls each kernel's TVM function positionally (raw_call): its first call
-    goes through the checked call (uacompile.binding: names, dtypes, shapes, layout), later ones straight to the
-    function with the sizes read off the tensors, which the model, the executor and this backend make themselves
-    in the shapes that first call checked."""
+    The layer ops (rms_norm with the residual add in place, silu_and_mul, rope in place) run TVM kernels in steps
+    of up to CPU_LAYER_KERNEL_ROWS tokens (torch's beyond), the packed matmuls in steps of up to packed_rows. The
+    hot path calls each kernel's TVM function positionally (raw_call): its first call goes through the checked
+    call (uacompile.binding: names, dtypes, shapes, layout), later ones straight to the function with the sizes
+    read off the tensors, which the model, the executor and this backend make themselves in the shapes that first
+    call checked."""
 
     name = "tvm-cpu"
 
@@ -459,7 +464,7 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         """The kernel's rms_norm: with residual, residual += x and x = norm(residual), in place."""
-        if x.shape[0] == 0:
+        if not 0 < x.shape[0] <= CPU_LAYER_KERNEL_ROWS["rms_norm"]:
             return super().rms_norm(x, weight, eps, residual)
         x = x.contiguous()
         res = residual is not None
@@ -473,7 +478,7 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
         return x, residual
 
     def silu_and_mul(self, x):
-        if x.shape[0] == 0:
+        if not 0 < x.shape[0] <= CPU_LAYER_KERNEL_ROWS["silu_and_mul"]:
             return super().silu_and_mul(x)
         x = x.contiguous()
         inter = x.shape[1] // 2
@@ -483,7 +488,7 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
         return out
 
     def rope(self, x, positions, rope_theta: float, freq_factors: tuple, cos, sin):
-        if x.shape[0] == 0:
+        if not 0 < x.shape[0] <= CPU_LAYER_KERNEL_ROWS["rope"]:
             return super().rope(x, positions, rope_theta, freq_factors, cos, sin)
         x = x.contiguous()
         H, D = x.shape[1], x.shape[2]
