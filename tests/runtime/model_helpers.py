@@ -176,3 +176,20 @@ def prompt_logprobs(executor, ids: list[int], chunk: int = 512) -> np.ndarray:
         s.num_computed_tokens += n
     lp = torch.cat(rows)[:-1]
     return lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1))[:, 0].numpy()
+
+
+def causal_attention(layer, q, k, v):
+    """One sequence's causal attention over [T, H, D] in torch (GQA by repeating K/V heads): the executor's attention
+    callback for a model run outside the engine."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                           is_causal=True)
+    return out.transpose(0, 1).contiguous()
+
+
+def model_logits(model, ids: list[int], device="cpu") -> np.ndarray:
+    """The model's logits [T, V] (float64, on the host) over one sequence, with causal_attention."""
+    t = torch.tensor(ids, device=device)
+    with torch.inference_mode():
+        return model.logits(model(t, torch.arange(len(ids), device=device), causal_attention)).double().cpu().numpy()
