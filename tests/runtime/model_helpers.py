@@ -120,8 +120,9 @@ EVERY_FORMAT_LAYERS = [("q4_k", "q4_k", "q6_k", "q5_k", "q4_0", "q4_1", "q8_0"),
                        ("q8_0", "q6_k", "q6_k", "q4_1", "q5_k", "q5_k", "q4_k")]  # q, k, v, o, gate, up, down
 
 
-def write_every_format_gguf(path, seed: int = 3):
-    """Write the every-format model (random blocks, testing.random_quant_weight) to path; returns path."""
+def write_every_format_gguf(path, seed: int = 3, override_type=None):
+    """Write the every-format model (random blocks, testing.random_quant_weight) to path; returns path.
+    override_type {GGUF tensor name: gguf.GGMLQuantizationType}: that tensor as random bytes of that type instead."""
     from types import SimpleNamespace
 
     import gguf
@@ -139,6 +140,12 @@ def write_every_format_gguf(path, seed: int = 3):
     w = gguf_writer(path, "llama", cfg)
 
     def add(name, fmt, rows, cols, scale=0.05):
+        qt = (override_type or {}).get(name)
+        if qt is not None:
+            block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+            raw = rng.integers(0, 256, size=(rows, cols // block * nbytes), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qt)
+            return
         raw = testing.random_quant_weight(rng, fmt, rows, cols, scale)
         w.add_tensor(name, raw, raw_shape=raw.shape,
                      raw_dtype=getattr(gguf.GGMLQuantizationType, ir.WEIGHT_FORMATS[fmt].gguf))

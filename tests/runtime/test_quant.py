@@ -106,3 +106,19 @@ def test_engine_quantization_option(every_format_gguf):
         EngineConfig(quantization="fp8")
     llm = LLM(str(every_format_gguf), device="cpu", quantization="q8_0", num_pages=16, page_size=8)
     assert "q8_0" in llm.engine.model.weight_formats()
+
+
+@pytest.mark.parametrize("qt", list(gguf.GGML_QUANT_SIZES), ids=lambda t: t.name)
+def test_every_gguf_type_loads_or_is_refused_with_the_supported_list(tmp_path, qt):
+    """Each tensor type the gguf library knows, as one projection of a file (random bytes): a supported type loads
+    and decodes to the layer's shape, any other is refused naming it and the supported types."""
+    from uacompile.runtime.loader import GGUF_TENSOR_TYPES
+
+    path = write_every_format_gguf(tmp_path / f"{qt.name}.gguf", override_type={"blk.0.ffn_down.weight": qt})
+    if qt.name in GGUF_TENSOR_TYPES:
+        w = load(path).weights["model.layers.0.mlp.down_proj.weight"]
+        assert w.shape == (E, 512)
+    else:
+        with pytest.raises(ValueError, match=rf"blk.0.ffn_down.weight: type {qt.name} is not supported "
+                                             rf"\(supported: .*Q6_K"):
+            load(path)
