@@ -14,15 +14,7 @@
 # Installs the carried wheels (cffi, pycparser, ...) and the package, runs `pytest -m gpu`, then bench/kernels.py; logs, JSON and table go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ua-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 UACOMPILE_CACHE_DIR=${UACOMPILE_CACHE_DIR:-/tmp/ua-cache}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-# install the package itself (setup.cfg maps runtime/, targets/, templates/ into uacompile); no build
-# isolation: the device reaches no index, and its Python has setuptools
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/pkg . || exit 1
-# PYTHONSAFEPATH: the repo root (whose uacompile/ lacks the mapped folders) never shadows the install
-export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONSAFEPATH=1
+. bench/device_setup.sh
 # TVM-CUDA kernels built elsewhere (bench/prebuild_tvm_cuda.sh, carry ".carry/tvm-cuda"): the device has no TVM
 if [ -d .carry/tvm-cuda ]; then export UA_TVM_CUDA_KERNELS=${UA_TVM_CUDA_KERNELS:-$PWD/.carry/tvm-cuda}; fi
 if [ -d .carry/tvm-cuda/tests ]; then export UA_TVM_CUDA_PREBUILT=${UA_TVM_CUDA_PREBUILT:-$PWD/.carry/tvm-cuda/tests}; fi

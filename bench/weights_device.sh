@@ -8,12 +8,7 @@
 # UA_BENCH_ARGS adds serving_gpu.py arguments (default: the seed and the 1-32 sweep in bf16, q8_0, q4_k and fp8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ua-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 UACOMPILE_CACHE_DIR=${UACOMPILE_CACHE_DIR:-/tmp/ua-cache}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/pkg . || exit 1
-export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONSAFEPATH=1
+. bench/device_setup.sh
 LCPP=/tmp/lcpp/build/bin
 M=/tmp/models
 mkdir -p $M /tmp/serving

@@ -141,7 +141,7 @@ class TorchLayerOps:
 
 
 DECODE_ROWS = 64  # cuda: rows up to which a packed projection runs ir.QuantMatmul (decode batches)
-CPU_PACKED_ROWS = 256  # tvm-cpu: the same (TVM's packed matmul beats decoding + torch up to about this many rows)
+CPU_PACKED_ROWS = 16  # tvm-cpu: the same (SmolLM2 prefill, 1 thread: 64-token chunks run 1.8x faster decoded + torch)
 # tvm-cpu: tokens a step up to which a layer op runs its TVM kernel, beyond which torch's vector ops win (1 thread:
 # rms_norm 1.4 vs 15 us at one token, 55 vs 31 at 64; silu_and_mul 3.8 vs 5.3 at one, 14 vs 8 at 4; rope 8.8 vs 11 at
 # one, 35 vs 12 at 4: its kernel works each angle's cos / sin out in float64 where torch takes the step's table)

@@ -608,8 +608,21 @@ def _check_weight_format(op) -> WeightFormat:
     return fmt
 
 
+class _BlockWeights:
+    """What the block-quantised weight ops share: their format and the checks of their fields."""
+
+    @property
+    def format(self) -> WeightFormat:
+        return WEIGHT_FORMATS[self.weight_format]
+
+    def _check_fields(self, *positive: str) -> None:
+        _check_positive(self, *positive)
+        _check_weight_format(self)
+        _check_choice(self, "dtype", FLOAT_DTYPES)
+
+
 @dataclass(frozen=True)
-class QuantMatmul(OpSpec):
+class QuantMatmul(_BlockWeights, OpSpec):
     """A linear layer over GGUF block-quantised weights, kept packed: out = dtype(x @ W^T).
 
     weight [N, K / block * nbytes] uint8 holds each output row's K weights as consecutive blocks of
@@ -625,13 +638,7 @@ class QuantMatmul(OpSpec):
     dtype: str = "bf16"  # x and out
 
     def __post_init__(self):
-        _check_positive(self, "in_features", "out_features")
-        _check_weight_format(self)
-        _check_choice(self, "dtype", FLOAT_DTYPES)
-
-    @property
-    def format(self) -> WeightFormat:
-        return WEIGHT_FORMATS[self.weight_format]
+        self._check_fields("in_features", "out_features")
 
     def params(self) -> list[TensorSpec]:
         K, N = self.in_features, self.out_features
@@ -641,7 +648,7 @@ class QuantMatmul(OpSpec):
 
 
 @dataclass(frozen=True)
-class Dequantize(OpSpec):
+class Dequantize(_BlockWeights, OpSpec):
     """Decode rows of GGUF block-quantised weights: out = dtype(W), W as in quant_matmul (ggml's float32
     arithmetic, rounded once to dtype). A layer's weights decoded into a scratch buffer feed a dense matmul
     (prefill), rows gathered from a quantised embedding give its lookup."""
@@ -652,13 +659,7 @@ class Dequantize(OpSpec):
     dtype: str = "bf16"
 
     def __post_init__(self):
-        _check_positive(self, "in_features")
-        _check_weight_format(self)
-        _check_choice(self, "dtype", FLOAT_DTYPES)
-
-    @property
-    def format(self) -> WeightFormat:
-        return WEIGHT_FORMATS[self.weight_format]
+        self._check_fields("in_features")
 
     def params(self) -> list[TensorSpec]:
         K = self.in_features

@@ -225,6 +225,11 @@ def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
 def dequantize_blocks(weight: np.ndarray, weight_format: str, cols: int) -> np.ndarray:
     """Rows of GGUF blocks [rows, cols / block * nbytes] uint8 -> the weights [rows, cols] float32, in ggml's
     float32 arithmetic (ggml-quants.c's dequantize_row_*; each product rounded in float32, no fused multiply-add)."""
+    with np.errstate(invalid="ignore", over="ignore"):  # a NaN / inf scale in the file gives what ggml gives
+        return _dequantize_blocks(weight, weight_format, cols)
+
+
+def _dequantize_blocks(weight, weight_format: str, cols: int) -> np.ndarray:
     fmt = WEIGHT_FORMATS[weight_format]
     w = np.ascontiguousarray(weight, dtype=np.uint8)
     rows = w.shape[0]

@@ -120,8 +120,9 @@ EVERY_FORMAT_LAYERS = [("q4_k", "q4_k", "q6_k", "q5_k", "q4_0", "q4_1", "q8_0"),
                        ("q8_0", "q6_k", "q6_k", "q4_1", "q5_k", "q5_k", "q4_k")]  # q, k, v, o, gate, up, down
 
 
-def write_every_format_gguf(path, seed: int = 3):
-    """Write the every-format model (random blocks, testing.random_quant_weight) to path; returns path."""
+def write_every_format_gguf(path, seed: int = 3, override_type=None):
+    """Write the every-format model (random blocks, testing.random_quant_weight) to path; returns path.
+    override_type {GGUF tensor name: gguf.GGMLQuantizationType}: that tensor as random bytes of that type instead."""
     from types import SimpleNamespace
 
     import gguf
@@ -139,6 +140,12 @@ def write_every_format_gguf(path, seed: int = 3):
     w = gguf_writer(path, "llama", cfg)
 
     def add(name, fmt, rows, cols, scale=0.05):
+        qt = (override_type or {}).get(name)
+        if qt is not None:
+            block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+            raw = rng.integers(0, 256, size=(rows, cols // block * nbytes), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qt)
+            return
         raw = testing.random_quant_weight(rng, fmt, rows, cols, scale)
         w.add_tensor(name, raw, raw_shape=raw.shape,
                      raw_dtype=getattr(gguf.GGMLQuantizationType, ir.WEIGHT_FORMATS[fmt].gguf))
@@ -176,3 +183,20 @@ def prompt_logprobs(executor, ids: list[int], chunk: int = 512) -> np.ndarray:
         s.num_computed_tokens += n
     lp = torch.cat(rows)[:-1]
     return lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1))[:, 0].numpy()
+
+
+def causal_attention(layer, q, k, v):
+    """One sequence's causal attention over [T, H, D] in torch (GQA by repeating K/V heads): the executor's attention
+    callback for a model run outside the engine."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                           is_causal=True)
+    return out.transpose(0, 1).contiguous()
+
+
+def model_logits(model, ids: list[int], device="cpu") -> np.ndarray:
+    """The model's logits [T, V] (float64, on the host) over one sequence, with causal_attention."""
+    t = torch.tensor(ids, device=device)
+    with torch.inference_mode():
+        return model.logits(model(t, torch.arange(len(ids), device=device), causal_attention)).double().cpu().numpy()

@@ -6,9 +6,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from model_helpers import EVERY_FORMAT_SHAPE, write_every_format_gguf  # noqa: E402
+from model_helpers import EVERY_FORMAT_SHAPE, model_logits, write_every_format_gguf  # noqa: E402
 
 from uacompile import ir, reference, testing
 from uacompile.runtime import LLM
@@ -57,20 +56,6 @@ def every_format_gguf(tmp_path_factory):
     return write_every_format_gguf(tmp_path_factory.mktemp("quant") / "every-format.gguf")
 
 
-def causal_attention(layer, q, k, v):
-    """One sequence's causal attention over [T, H, D] (GQA by repeating K/V heads)."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    return out.transpose(0, 1).contiguous()
-
-
-def logits(model, ids):
-    t = torch.tensor(ids)
-    with torch.no_grad():
-        return model.logits(model(t, torch.arange(len(ids)), causal_attention)).numpy()
-
-
 def test_projections_stay_packed_and_give_the_decoded_logits(every_format_gguf):
     loaded = load(every_format_gguf)
     cfg, weights = loaded.config, loaded.weights
@@ -88,7 +73,7 @@ def test_projections_stay_packed_and_give_the_decoded_logits(every_format_gguf):
     q_rows = qkv0.weight0[:H * D]
     assert torch.equal(quant.dequantize(q_rows, "q4_k", E), weights["model.layers.0.self_attn.q_proj.weight"])
     ids = [5, 17, 200, 3, 99, 301, 42, 7]
-    want, got = logits(dense, ids), logits(packed, ids)
+    want, got = model_logits(dense, ids), model_logits(packed, ids)
     assert np.isfinite(want).all() and want.std() > 0.1
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
@@ -109,7 +94,7 @@ def test_quantization_q8_0_of_a_float_model(every_format_gguf):
     assert all(isinstance(m, quant.QuantLinear) and m.parts[0].weight_format == "q8_0" for m in q8.projections().values())
     assert isinstance(q8.model.embed_tokens, quant.QuantEmbedding)
     ids = [1, 2, 3, 250, 11, 64]
-    want, got = logits(dense, ids), logits(q8, ids)
+    want, got = model_logits(dense, ids), model_logits(q8, ids)
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
 
@@ -121,3 +106,19 @@ def test_engine_quantization_option(every_format_gguf):
         EngineConfig(quantization="fp8")
     llm = LLM(str(every_format_gguf), device="cpu", quantization="q8_0", num_pages=16, page_size=8)
     assert "q8_0" in llm.engine.model.weight_formats()
+
+
+@pytest.mark.parametrize("qt", list(gguf.GGML_QUANT_SIZES), ids=lambda t: t.name)
+def test_every_gguf_type_loads_or_is_refused_with_the_supported_list(tmp_path, qt):
+    """Each tensor type the gguf library knows, as one projection of a file (random bytes): a supported type loads
+    and decodes to the layer's shape, any other is refused naming it and the supported types."""
+    from uacompile.runtime.loader import GGUF_TENSOR_TYPES
+
+    path = write_every_format_gguf(tmp_path / f"{qt.name}.gguf", override_type={"blk.0.ffn_down.weight": qt})
+    if qt.name in GGUF_TENSOR_TYPES:
+        w = load(path).weights["model.layers.0.mlp.down_proj.weight"]
+        assert w.shape == (E, 512)
+    else:
+        with pytest.raises(ValueError, match=rf"blk.0.ffn_down.weight: type {qt.name} is not supported "
+                                             rf"\(supported: .*Q6_K"):
+            load(path)

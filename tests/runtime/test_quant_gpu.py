@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-F = torch.nn.functional
 
-from model_helpers import write_every_format_gguf  # noqa: E402
+from model_helpers import model_logits, write_every_format_gguf  # noqa: E402
 
 from uacompile.runtime import LLM, SamplingParams, quant  # noqa: E402
 from uacompile.runtime.engine import Engine, EngineConfig  # noqa: E402
@@ -26,19 +25,6 @@ def every_format_gguf(tmp_path_factory):
     return write_every_format_gguf(tmp_path_factory.mktemp("quant-gpu") / "every-format.gguf")
 
 
-def causal_attention(layer, q, k, v):
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    return out.transpose(0, 1).contiguous()
-
-
-def logits(model, ids, device):
-    t = torch.tensor(ids, device=device)
-    with torch.inference_mode():
-        return model.logits(model(t, torch.arange(len(ids), device=device), causal_attention)).double().cpu().numpy()
-
-
 @pytest.mark.parametrize("tokens", [1, 7, DECODE_ROWS, DECODE_ROWS + 37])
 def test_packed_model_on_cuda_matches_the_decoded_model(every_format_gguf, tokens, rng):
     loaded = load(every_format_gguf)
@@ -50,7 +36,7 @@ def test_packed_model_on_cuda_matches_the_decoded_model(every_format_gguf, token
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, quant.QuantLinear)
     model.use_kernels(backend)
     ids = rng.integers(0, cfg.vocab_size, size=tokens).tolist()
-    got, want = logits(model, ids, "cuda"), logits(want_model, ids, "cpu")
+    got, want = model_logits(model, ids, "cuda"), model_logits(want_model, ids, "cpu")
     kinds = {op.kind for op in backend.layer_kernels}
     assert ("quant_matmul" if tokens <= DECODE_ROWS else "dequantize") in kinds and "dequantize" in kinds
     assert np.isfinite(got).all()
@@ -90,7 +76,7 @@ def test_quantization_at_load_stays_near_bf16(quantization, tol, rng):
     assert q.model.decode_read_bytes() < 0.6 * ref.model.decode_read_bytes()
     for tokens in (3, 150):
         ids = rng.integers(0, cfg.vocab_size, size=tokens).tolist()
-        want, got = logits(ref.model, ids, "cuda"), logits(q.model, ids, "cuda")
+        want, got = model_logits(ref.model, ids, "cuda"), model_logits(q.model, ids, "cuda")
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert err < tol, f"{quantization}, {tokens} tokens: relative error {err:.3g}"
     rid = q.add_request(rng.integers(0, 1024, size=20).tolist(), SamplingParams(temperature=0, max_tokens=8,
