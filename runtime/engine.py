@@ -105,7 +105,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # KV budget when num_pages is not given
     kv_cache_dtype: str = "auto"      # auto (the model's dtype) | bf16 | fp16 (must be the model's) | fp8_e4m3 | int8
     seed: int = 0                     # seeds of requests that bring none
-    cpu_threads: int | None = None    # torch.set_num_threads (process-wide); None leaves torch's default
+    cpu_threads: int | None = None    # torch.set_num_threads and tvm-cpu's pool (process-wide); None: the defaults
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU the engine takes (weights, activations, KV)
     cuda_graphs: bool = True          # CUDA: replay decode steps from graphs captured at start-up
     progress: bool = True             # progress bars at start-up (weight loading, kernel builds, graph captures)
@@ -211,6 +211,8 @@ class Engine:
         ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size, self.dtype,
                                   cfg.sliding_window, ec.attention_variant, self.kv_dtype)
         self.kernels = make_backend(ec.kernel_backend, ops, ec.device, ec.kernel_dir)
+        if ec.cpu_threads is not None:
+            self.kernels.set_threads(ec.cpu_threads)
         if loaded.weights is None:  # a config alone: random weights made on the device (benchmarks)
             self.model = LlamaForCausalLM.random(cfg, ec.device, self.dtype, ec.seed)
             self.model.quantize_(ec.quantization)

@@ -11,7 +11,7 @@ Every call takes keyword tensors named as in op.params(); sizes are bound from t
 model's dtype or 8-bit (KernelOps.kv_dtype int8 / fp8_e4m3): then the four KV calls also take its float32 scales,
 one per (page, slot, KV head), which every backend hands its quantised kernels. The layer ops
 (rms_norm with the residual add, silu_and_mul, rope) are TorchLayerOps' torch code (the unfused model's
-arithmetic, exactly) unless a backend has kernels for them: cuda launches ir.RMSNorm / SiluAndMul / Rope.
+arithmetic, exactly) unless a backend has kernels for them: cuda and tvm-cpu launch ir.RMSNorm / SiluAndMul / Rope.
 """
 from __future__ import annotations
 
@@ -142,6 +142,10 @@ class TorchLayerOps:
 
 DECODE_ROWS = 64  # cuda: rows up to which a packed projection runs ir.QuantMatmul (decode batches)
 CPU_PACKED_ROWS = 16  # tvm-cpu: the same (SmolLM2 prefill, 1 thread: 64-token chunks run 1.8x faster decoded + torch)
+# tvm-cpu: tokens a step up to which a layer op runs its TVM kernel, beyond which torch's vector ops win (1 thread:
+# rms_norm 1.4 vs 15 us at one token, 55 vs 31 at 64; silu_and_mul 3.8 vs 5.3 at one, 14 vs 8 at 4; rope 8.8 vs 11 at
+# one, 35 vs 12 at 4: its kernel works each angle's cos / sin out in float64 where torch takes the step's table)
+CPU_LAYER_KERNEL_ROWS = {"rms_norm": 16, "silu_and_mul": 2, "rope": 1}
 
 
 class PackedLinearOps(TorchLayerOps):
@@ -262,6 +266,9 @@ class KernelBackend(TorchLayerOps):
         """What a step's attention launches need, worked out once before its layers (None: nothing to plan)."""
         return None
 
+    def set_threads(self, n: int) -> None:
+        """Run the backend's CPU kernels on n threads (EngineConfig.cpu_threads); nothing to do off the CPU."""
+
     # the executor's four calls; the scales (float32, per page, slot and KV head) go with a quantised cache only
     def reshape_and_cache(self, k, v, slot_mapping, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
         scales = dict(k_scale=k_scale, v_scale=v_scale) if self.ops.quantized else {}
@@ -321,7 +328,14 @@ class ReferenceBackend(KernelBackend):
 class TVMCPUBackend(PackedLinearOps, KernelBackend):
     """TVM-LLVM kernels (uacompile.lower.tvm_build.cpu_kernel), built once per op and cached on disk. A step's
     attention runs the tuning database's TVMConfig for the step's bucket (`uacompile tune --target cpu`; tuned:
-    a tunedb.Tuned, None: the default database, False: none), else the default schedule."""
+    a tunedb.Tuned, None: the default database, False: none), else the default schedule.
+
+    The layer ops (rms_norm with the residual add in place, silu_and_mul, rope in place) run TVM kernels in steps
+    of up to CPU_LAYER_KERNEL_ROWS tokens (torch's beyond), the packed matmuls in steps of up to packed_rows. The
+    hot path calls each kernel's TVM function positionally (raw_call): its first call goes through the checked
+    call (uacompile.binding: names, dtypes, shapes, layout), later ones straight to the function with the sizes
+    read off the tensors, which the model, the executor and this backend make themselves in the shapes that first
+    call checked."""
 
     name = "tvm-cpu"
 
@@ -338,6 +352,27 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
 
             tuned = default_tuned("cpu")
         self.tuned = tuned or None
+        self.raw_fns: dict[int, object] = {}  # id(CpuKernel) -> its positional caller (raw_call)
+        self.linear_plans: dict[int, tuple] = {}  # id(QuantLinear) -> (module, [(caller, weight, rows)])
+        self.quant_kernels: dict[tuple, object] = {}
+        self.layer_fns: dict[tuple, object] = {}  # layer-op key -> positional caller
+
+    def raw_call(self, kern):
+        """kern's function called positionally: its tensors in op.params() order, then its sizes. The first call
+        goes through kern's checked call (sizes inferred); later ones call the TVM function itself (an 8-bit float
+        tensor needs the checked call's view, so such kernels stay checked)."""
+        fn = self.raw_fns.get(id(kern))
+        if fn is None:
+            names = [p.name for p in kern.binder.tensor_specs]
+            raw = not kern.viewed
+
+            def fn(*args):
+                kern(**dict(zip(names, args)))
+                if raw:
+                    self.raw_fns[id(kern)] = kern.fn
+
+            self.raw_fns[id(kern)] = fn
+        return fn
 
     def plan_step(self, num_tokens: int, num_seqs: int, max_kv_len: int):
         """The step's attention kernel: the tuned one of its bucket, or None (the default kernel)."""
@@ -350,17 +385,31 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
             return None
         return self.cpu_kernel(ir.Kernel(self.ops.attention, config))  # loaded once per process
 
+    def set_threads(self, n: int) -> None:
+        """TVM's pool runs the kernels' parallel loops on n threads (at most TVM_NUM_THREADS: by default every CPU
+        this process may use)."""
+        from uacompile.lower.tvm_build import set_cpu_threads
+
+        set_cpu_threads(n)
+
+    def reshape_and_cache(self, k, v, slot_mapping, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
+        call = self.raw_call(self.fns["reshape_and_cache"])
+        if self.ops.quantized:
+            call(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, k.shape[0], k_cache.shape[0])
+        else:
+            call(k, v, slot_mapping, k_cache, v_cache, k.shape[0], k_cache.shape[0])
+
     def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out, plan=None,
                         k_scale=None, v_scale=None) -> None:
-        scales = dict(k_scale=k_scale, v_scale=v_scale) if self.ops.quantized else {}
-        (plan or self.fns["paged_attention"])(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=token_seq,
-                                              page_table=page_table, token_kv_len=token_kv_len, out=out, **scales)
+        call = self.raw_call(plan or self.fns["paged_attention"])
+        scales = (k_scale, v_scale) if self.ops.quantized else ()  # op.params(): the scales come before out
+        call(q, k_cache, v_cache, token_seq, page_table, token_kv_len, *scales, out, q.shape[0], page_table.shape[0],
+             page_table.shape[1], k_cache.shape[0])
 
     packed_rows = CPU_PACKED_ROWS
 
     def prepare_layers(self, ops: list) -> None:
-        """Build (or load from the disk cache) the packed-weight kernels the model launches; its other layer ops
-        run in torch here."""
+        """Build (or load from the disk cache) the kernels of the layer ops the model launches."""
         for op in ops:
             if op.kind == "quant_matmul":
                 self.quant_kernel(("quant_matmul", op.in_features, op.out_features, op.weight_format,
@@ -368,14 +417,85 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
             elif op.kind == "dequantize":
                 self.quant_kernel(("dequantize", op.in_features, op.weight_format, ir.torch_dtype(op.dtype)),
                                   lambda op=op: op)
+            else:
+                self.cpu_kernel(op)
 
     def quant_kernel(self, key: tuple, make_op):
         """TVM-LLVM's quant_matmul / dequantize kernel (cpu_kernel: built once per op, cached on disk)."""
-        quant = self.__dict__.setdefault("_quant_kernels", {})
-        kern = quant.get(key)
+        kern = self.quant_kernels.get(key)
         if kern is None:
-            kern = quant[key] = self.cpu_kernel(make_op())
+            kern = self.quant_kernels[key] = self.cpu_kernel(make_op())
         return kern
+
+    def layer_fn(self, key: tuple, make_op):
+        """The positional caller (raw_call) of make_op()'s kernel, found by the plain-value key."""
+        fn = self.layer_fns.get(key)
+        if fn is None:
+            kern = self.cpu_kernel(make_op())
+            fn = self.layer_fns[key] = lambda *args: self.raw_call(kern)(*args)
+        return fn
+
+    def linear_plan(self, module: QuantLinear, dtype: torch.dtype) -> list:
+        """[(caller, packed weight, rows)] of a packed projection's runs of rows, made at its first decode step."""
+        entry = self.linear_plans.get(id(module))
+        if entry is None or entry[0] is not module or entry[1] != dtype:
+            K = module.in_features
+            runs = []
+            for part, w in module.packed():
+                fmt, rows = part.weight_format, part.rows
+                kern = self.quant_kernel(("quant_matmul", K, rows, fmt, dtype),
+                                         lambda: ir.QuantMatmul(K, rows, fmt, ir.from_torch(dtype)))
+                runs.append((kern, w, rows))
+            entry = self.linear_plans[id(module)] = (module, dtype, runs)
+        return entry[2]
+
+    def linear(self, module, x):
+        if not isinstance(module, QuantLinear) or x.shape[0] > self.packed_rows:
+            return super().linear(module, x)
+        x = x.contiguous()
+        T, dt = x.shape[0], x.dtype
+        outs = []
+        for kern, w, rows in self.linear_plan(module, dt):
+            out = torch.empty((T, rows), dtype=dt)
+            self.raw_call(kern)(x, w, out, T)
+            outs.append(out)
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if module.bias is None else y + module.bias
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        """The kernel's rms_norm: with residual, residual += x and x = norm(residual), in place."""
+        if not 0 < x.shape[0] <= CPU_LAYER_KERNEL_ROWS["rms_norm"]:
+            return super().rms_norm(x, weight, eps, residual)
+        x = x.contiguous()
+        res = residual is not None
+        fn = self.layer_fn(("rms_norm", x.shape[-1], x.dtype, eps, res),
+                           lambda: ir.RMSNorm(x.shape[-1], ir.from_torch(x.dtype), float(eps), res))
+        if not res:
+            out = torch.empty_like(x)
+            fn(x, weight, out, x.shape[0])
+            return out
+        fn(x, residual, weight, x, x.shape[0])
+        return x, residual
+
+    def silu_and_mul(self, x):
+        if not 0 < x.shape[0] <= CPU_LAYER_KERNEL_ROWS["silu_and_mul"]:
+            return super().silu_and_mul(x)
+        x = x.contiguous()
+        inter = x.shape[1] // 2
+        out = torch.empty((x.shape[0], inter), dtype=x.dtype)
+        self.layer_fn(("silu_and_mul", inter, x.dtype), lambda: ir.SiluAndMul(inter, ir.from_torch(x.dtype)))(
+            x, out, x.shape[0])
+        return out
+
+    def rope(self, x, positions, rope_theta: float, freq_factors: tuple, cos, sin):
+        if not 0 < x.shape[0] <= CPU_LAYER_KERNEL_ROWS["rope"]:
+            return super().rope(x, positions, rope_theta, freq_factors, cos, sin)
+        x = x.contiguous()
+        H, D = x.shape[1], x.shape[2]
+        self.layer_fn(("rope", H, D, x.dtype, rope_theta, freq_factors),
+                      lambda: ir.Rope(H, D, ir.from_torch(x.dtype), float(rope_theta), freq_factors=freq_factors))(
+            x, positions, x.shape[0])
+        return x
 
     def run(self, op, **tensors):
         self.fns[op.kind](**tensors)  # checks shapes, dtypes and layout itself

@@ -9,7 +9,8 @@ quant_matmul: out[t, n] = sum_g A_g * (x_g . q_g) + B_g * sum(x_g): each paralle
 and a tile of `token_tile` tokens at a time; it sums x over each group of the tile once, then per row and group
 decodes the group's quants into 16-lane float32 vectors once, multiplies them into the tile's tokens and
 accumulates A_g * partial in 16 float32 lanes a token (B_g * sum(x_g) in one scalar a token), in float32. One
-token (decode) takes a copy of the loops with a tile of one.
+token (decode) takes a copy of the loops with a tile of one; in the formats with an offset B it decodes
+DECODE_ROW_GROUP rows side by side (their independent sums overlap), each row's sums in the same order.
 dequantize: out[r, k] = dtype(w) in the reference's float32 arithmetic (reference.dequantize_blocks: every
 product in it is exact in float32, so the one rounding is the add, as in ggml), one parallel task a row.
 """
@@ -27,6 +28,7 @@ LANES = 16  # weights a run (every format's runs are 16 consecutive weights)
 MATMUL_ROWS = 32  # output rows a parallel task (at most N)
 TOKEN_TILE = 4  # tokens a decoded group of weights is multiplied into
 DEQUANT_ROWS = 8  # rows a dequantize task
+DECODE_ROW_GROUP = 4  # rows one token's matmul decodes side by side, in the formats with an offset B
 
 
 @dataclass(frozen=True)
@@ -239,8 +241,62 @@ def quant_matmul(kernel, gpu: bool):
 
         return run
 
+    def body_rows(RG: int):  # one token, RG rows at once: RG independent accumulations to overlap
+        @T.macro
+        def run(x, weight, out, num_tokens):
+            for task in T.parallel((N + ROWS - 1) // ROWS):
+                xs = T.alloc_buffer((NB * NG,), "float32")  # sum of x over each group
+                qf = T.alloc_buffer((RG, GR, LANES), "float32")  # each row's group of quants
+                acc = T.alloc_buffer((RG, LANES), "float32")  # A_g * (x_g . q_g), 16 lanes a row
+                accb = T.alloc_buffer((RG,), "float32")  # B_g * sum(x_g)
+                sc = T.alloc_buffer((RG, 2), "float32")  # A_g, B_g
+                hdr = T.alloc_buffer((RG, 2), "float32")  # each row's block fp16 fields
+                weight_h = T.decl_buffer((N * RB // 2,), "float16", data=weight.data)  # the same bytes as fp16
+                if with_b:
+                    for g in T.serial(NB * NG):
+                        xs[g] = T.float32(0)
+                        for e in T.serial(GW):
+                            xs[g] = xs[g] + f32(x[0, g * GW + e])
+                for rg in T.serial(ROWS // RG):
+                    if task * ROWS + rg * RG < N:  # N % RG == 0: the whole group is in range
+                        n0: T.let[T.int64] = T.Cast("int64", task * ROWS + rg * RG)
+                        for j in T.unroll(RG):
+                            accb[j] = T.float32(0)
+                            for l in T.vectorized(LANES):
+                                acc[j, l] = T.float32(0)
+                        for b in block_loop(NB):
+                            for j in T.unroll(RG):
+                                for v in T.vectorized(NH):
+                                    hdr[j, v] = f32(weight_h[(n0 + j) * (RB // 2) + b * (BW // 2) + H0 + v])
+                            for g in T.unroll(NG):
+                                for j in T.unroll(RG):
+                                    for r in T.unroll(GR):
+                                        for l in T.vectorized(LANES):
+                                            qf[j, r, l] = f32(L.quant(weight, n0 + j, b * BW, g * GR + r, l))
+                                    sc[j, 0] = L.scales(weight, n0 + j, b * BW, g, lambda i: hdr[j, i])[0]
+                                    if with_b:
+                                        sc[j, 1] = L.scales(weight, n0 + j, b * BW, g, lambda i: hdr[j, i])[1]
+                                for j in T.unroll(RG):
+                                    for l in T.vectorized(LANES):
+                                        acc[j, l] = acc[j, l] + sc[j, 0] * partial_rows(x, qf, j, b * BK + g * GW, l)
+                                    if with_b:
+                                        accb[j] = accb[j] + sc[j, 1] * xs[b * NG + g]
+                        for j in T.unroll(RG):
+                            for l in T.serial(LANES):
+                                accb[j] = accb[j] + acc[j, l]
+                            out[0, n0 + j] = T.Cast(dt, accb[j])
+
+        return run
+
+    def partial_rows(x, qf, j, k0, l):  # partial() of row j of a row group, the one token
+        s = x_f32(x, 0, k0 + l) * qf[j, 0, l]
+        for r in range(1, GR):
+            s = s + x_f32(x, 0, k0 + r * LANES + l) * qf[j, r, l]
+        return s
+
+    RG = DECODE_ROW_GROUP if with_b and N % DECODE_ROW_GROUP == 0 and ROWS % DECODE_ROW_GROUP == 0 else 1
     general = body(TT)
-    single = body(1)  # decode's one token: no token loop, no guards
+    single = body_rows(RG) if RG > 1 else body(1)  # decode's one token: no token loop, no guards
 
     @T.prim_func
     def kernel_fn(x_h: T.handle, w_h: T.handle, o_h: T.handle, num_tokens: T.int64):
