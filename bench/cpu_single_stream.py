@@ -4,7 +4,7 @@
         [--llama-cpp-python /work/scratch/lcp-venv/bin/python]
 
 Ours: LLM(model, device="cpu") with the default tvm-cpu kernels and quantization="auto": the GGUF's Q4_1 / Q8_0
-blocks stay packed and run TVM's quant_matmul kernels (steps over 256 tokens: decoded into a scratch buffer, then
+blocks stay packed and run TVM's quant_matmul kernels (steps over 16 tokens: decoded into a scratch buffer, then
 torch's matmul; a float checkpoint's projections are torch matmuls), the layer ops (RMSNorm, SiLU-and-mul, RoPE),
 cache write and attention TVM kernels; one request at a time, greedy, EOS ignored, prefix caching off, in a fresh
 process per thread count (cpu_threads = OMP_NUM_THREADS = TVM_NUM_THREADS = N). Decode tok/s: the tokens after the first over the time from
