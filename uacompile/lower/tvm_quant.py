@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..ir import DTYPES, Dequantize, Kernel, QuantMatmul, WEIGHT_FORMATS
+from ..ir import DTYPES, Kernel, WEIGHT_FORMATS
 from .config import schedule_of
 from .tvm_tir import ALIGN
 
@@ -153,19 +153,24 @@ def _layout(fmt: str) -> BlockLayout:
     raise ValueError(f"unknown weight format {fmt!r}")
 
 
+def _block_op(kernel, gpu: bool):
+    """(op, its schedule, K, row bytes, blocks a row, bytes a block, weights a block, the format's BlockLayout) of a
+    quant_matmul / dequantize kernel; NotImplementedError for the GPU (these lowerings are the CPU's)."""
+    kernel = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
+    op = kernel.op
+    if gpu:
+        raise NotImplementedError(f"{op.kind} has no TVM CUDA lowering (the CPU kernel only)")
+    K, fmt = op.in_features, WEIGHT_FORMATS[op.weight_format]
+    return op, schedule_of(kernel), K, fmt.row_bytes(K), K // fmt.block, fmt.nbytes, fmt.block, _layout(op.weight_format)
+
+
 def quant_matmul(kernel, gpu: bool):
     """out = dtype(x @ W^T) over packed GGUF blocks (module docstring: the CPU schedule)."""
-    if gpu:
-        raise NotImplementedError("quant_matmul has no TVM CUDA lowering (the CPU kernel only)")
+    op, cfg, K, RB, NB, BW, BK, L = _block_op(kernel, gpu)
     from tvm import tirx
     from tvm.script import tirx as T
 
-    kernel = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
-    op: QuantMatmul = kernel.op
-    cfg = schedule_of(kernel)
-    K, N, fmt = op.in_features, op.out_features, WEIGHT_FORMATS[op.weight_format]
-    RB, NB, BW, BK = fmt.row_bytes(K), K // fmt.block, fmt.nbytes, fmt.block
-    L = _layout(op.weight_format)
+    N = op.out_features
     GR, NG = L.group_runs, L.groups  # runs a group, groups a block
     GW = GR * LANES  # weights a group
     dt = DTYPES[op.dtype].tir
@@ -320,16 +325,9 @@ def _has_offset(fmt: str) -> bool:
 
 def dequantize(kernel, gpu: bool):
     """out[r] = dtype(W[r]), W decoded in the reference's float32 arithmetic; a parallel task takes `rows` rows."""
-    if gpu:
-        raise NotImplementedError("dequantize has no TVM CUDA lowering (the CPU kernel only)")
+    op, cfg, K, RB, NB, BW, BK, L = _block_op(kernel, gpu)
     from tvm.script import tirx as T
 
-    kernel = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
-    op: Dequantize = kernel.op
-    cfg = schedule_of(kernel)
-    K, fmt = op.in_features, WEIGHT_FORMATS[op.weight_format]
-    RB, NB, BW, BK = fmt.row_bytes(K), K // fmt.block, fmt.nbytes, fmt.block
-    L = _layout(op.weight_format)
     dt = DTYPES[op.dtype].tir
     ROWS = cfg.rows or DEQUANT_ROWS
 
