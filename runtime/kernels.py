@@ -100,15 +100,20 @@ class TorchLayerOps:
     packed_formats: frozenset = frozenset()  # the block formats the backend runs packed (QuantLinear); others decode at load
 
     def linear(self, module, x):
-        """x @ W^T (+ bias) of a projection: dense (nn.Linear), packed blocks (QuantLinear: here decoded every call,
-        a backend with kernels runs them packed) or e4m3 (Fp8Linear)."""
+        """x @ W^T (+ bias) of a projection: dense (nn.Linear), packed blocks (QuantLinear: the outputs of its runs of
+        rows, packed_runs, side by side) or e4m3 (Fp8Linear)."""
         if isinstance(module, QuantLinear):
-            outs = [F.linear(x, dequantize(w, p.weight_format, module.in_features, x.dtype)) for p, w in module.packed()]
+            outs = self.packed_runs(module, x)
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
             return y if module.bias is None else y + module.bias
         if isinstance(module, Fp8Linear):
             return fp8_linear(module, x)
         return F.linear(x, module.weight, module.bias)
+
+    def packed_runs(self, module: QuantLinear, x) -> list:
+        """x @ W^T of each run of a packed projection's rows (no bias): here decoded every call; a backend with
+        kernels runs them packed."""
+        return [F.linear(x, dequantize(w, p.weight_format, module.in_features, x.dtype)) for p, w in module.packed()]
 
     def embed(self, module, ids):
         """The embedding rows of ids: a lookup, or for a QuantEmbedding its packed rows decoded."""
@@ -167,9 +172,7 @@ class PackedLinearOps(TorchLayerOps):
             buf = self.__dict__["_scratch"] = torch.empty(elements, dtype=dtype, device=device)
         return buf[:elements]
 
-    def linear(self, module, x):
-        if not isinstance(module, QuantLinear):
-            return super().linear(module, x)
+    def packed_runs(self, module: QuantLinear, x) -> list:
         T, K, dt = x.shape[0], module.in_features, x.dtype
         outs = []
         for part, w in module.packed():
@@ -184,8 +187,7 @@ class PackedLinearOps(TorchLayerOps):
                                   lambda: ir.Dequantize(K, fmt, ir.from_torch(dt)))(weight=w, out=dense)
                 out = F.linear(x, dense)
             outs.append(out)
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        return y if module.bias is None else y + module.bias
+        return outs
 
     def embed(self, module, ids):
         if not isinstance(module, QuantEmbedding):
@@ -449,9 +451,9 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
             entry = self.linear_plans[id(module)] = (module, dtype, runs)
         return entry[2]
 
-    def linear(self, module, x):
-        if not isinstance(module, QuantLinear) or x.shape[0] > self.packed_rows:
-            return super().linear(module, x)
+    def packed_runs(self, module: QuantLinear, x) -> list:
+        if x.shape[0] > self.packed_rows:
+            return super().packed_runs(module, x)
         x = x.contiguous()
         T, dt = x.shape[0], x.dtype
         outs = []
@@ -459,8 +461,7 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
             out = torch.empty((T, rows), dtype=dt)
             self.raw_call(kern)(x, w, out, T)
             outs.append(out)
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        return y if module.bias is None else y + module.bias
+        return outs
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         """The kernel's rms_norm: with residual, residual += x and x = norm(residual), in place."""
