@@ -472,7 +472,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"quantization must be one of auto, none, fp8, q8_0, got {quantization!r}")
         dtype = self.dtype
         with torch.no_grad():
-            for path, module in self.projections().items():
+            for path in list(self.projections()):  # paths only: a module held here would keep its dense weight
+                module = self.get_submodule(path)
                 if not isinstance(module, nn.Linear) or module.in_features % 32:
                     continue
                 if quantization == "fp8" and path == "lm_head":
