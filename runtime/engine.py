@@ -207,7 +207,7 @@ class Engine:
         if ec.quantization == "fp8" and self.dtype == torch.float32:
             raise ValueError("quantization='fp8' needs a 16-bit dtype (bfloat16 or float16), got float32")
         self.kv_dtype = kv_dtype_of(ec.kv_cache_dtype, self.dtype)  # a bad pairing fails before the weights load
-        page_size = scheduler_kwargs.get("page_size") or 16
+        page_size = scheduler_kwargs.get("page_size") or SchedulerConfig.page_size
         ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size, self.dtype,
                                   cfg.sliding_window, ec.attention_variant, self.kv_dtype)
         self.kernels = make_backend(ec.kernel_backend, ops, ec.device, ec.kernel_dir)
@@ -272,7 +272,7 @@ class Engine:
         if self.engine_config.device == "cuda":  # a GPU step takes thousands of tokens at the matmul rate
             kw.setdefault("max_num_batched_tokens", GPU_TOKEN_BUDGET)
             kw.setdefault("max_prefill_chunk", kw["max_num_batched_tokens"])
-        P = kw.setdefault("page_size", 16)
+        P = kw.setdefault("page_size", SchedulerConfig.page_size)
         max_pos = cfg.max_position_embeddings
         asked = kw.get("max_model_len")
         if asked is not None and asked > max_pos:
