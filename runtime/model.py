@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .kernels import TorchLayerOps, torch_rms_norm
-from .quant import Fp8Linear, Part, QuantEmbedding, QuantLinear, fp8_rows, quantize_q8_0
+from .quant import QUANTIZATIONS, Fp8Linear, Part, QuantEmbedding, QuantLinear, fp8_rows, quantize_q8_0
 
 ROPE_TYPES = ("default", "linear", "llama3")
 LOAD_PROGRESS_BYTES = 256 << 20  # models this large (in their dtype) show a progress bar while their weights load
@@ -468,8 +468,8 @@ class LlamaForCausalLM(nn.Module):
         dtype); "none" / "auto" leave them. Each dense weight is freed as its quantised form is made."""
         if quantization in ("none", "auto"):
             return
-        if quantization not in ("q8_0", "fp8"):
-            raise ValueError(f"quantization must be one of auto, none, fp8, q8_0, got {quantization!r}")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         dtype = self.dtype
         with torch.no_grad():
             for path in list(self.projections()):  # paths only: a module held here would keep its dense weight
