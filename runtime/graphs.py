@@ -9,6 +9,9 @@ pinned host buffers, without blocking) and replays the smallest graph that holds
 sequences are padding: they write no cache slot (slot -1) and attend one position of page 0, so they read valid
 memory (scales included) and their logits are ignored. The attention plan of
 each graph (its split count, workspaces) is made before its capture and kept with it.
+
+A capture runs in CUDA's thread-local mode: what other threads do meanwhile (another engine's steps, a copy
+thread, a synchronize) neither fails nor invalidates it; only this thread's own calls must be capture-safe.
 """
 from __future__ import annotations
 
@@ -100,7 +103,7 @@ class DecodeGraphs:
                     run()  # warm-up: kernels loaded, lazy allocations made, outside the graph
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                     logits = run()
                 self.graphs[(bs, w)] = _Graph(graph, plan, logits)
         torch.cuda.synchronize()

@@ -324,7 +324,7 @@ def capture_graph(fns, calls: int = 1, stream: torch.cuda.Stream | None = None) 
             f()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):  # other threads may run CUDA
         for _ in range(calls):
             for f in fns:
                 f()

@@ -153,6 +153,59 @@ def test_cuda_graph_inputs_follow_each_step(checkpoints, rng):
         assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
 
 
+def test_cuda_graphs_capture_whatever_the_process_does_around_them(checkpoints, rng):
+    """An engine captures its decode graphs while the process is busy elsewhere: another graphed engine
+    mid-generation (its async step in flight), a side stream with a long matmul queued and non-blocking copies
+    pending from and to pinned memory, and a thread that allocates, copies and synchronises the device all through
+    the capture. The engine starts, and its tokens are those of an eager engine."""
+    import threading
+
+    _, path = checkpoints["llama"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [rng.integers(3, 512, size=int(n)).tolist() for n in (1, 17, 40, 5)]
+    kw = dict(device="cuda", page_size=16, num_pages=128, max_model_len=256)
+    other = LLM(str(path), **kw)
+    for p in prompts:
+        other.engine.add_request(p, params)
+    other.engine.step()
+    other.engine.step()  # a decode step's sampling is in flight (async scheduling)
+    side = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device="cuda")
+    host = torch.randn(1 << 22).pin_memory()
+    back = torch.empty(1 << 22).pin_memory()
+    with torch.cuda.stream(side):
+        for _ in range(20):
+            a = a @ a / 64
+        dev = host.to("cuda", non_blocking=True)
+        back.copy_(dev, non_blocking=True)
+    stop, errors = threading.Event(), []
+
+    def busy():
+        try:
+            while not stop.is_set():
+                x = torch.randn(1 << 16, device="cuda") + 1
+                x.cpu()
+                torch.empty(1 << 20, pin_memory=True)
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    try:
+        graphed = LLM(str(path), **kw)
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    assert graphed.engine.executor.graphs is not None and graphed.engine.executor.graphs.graphs
+    got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
+    eager = LLM(str(path), cuda_graphs=False, **kw)
+    assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    other.engine.run_until_done()
+    assert graphed.engine.executor.graphs.replays > 0
+
+
 def test_cuda_engine_prepares_every_kernel_before_serving(checkpoints, monkeypatch):
     """Start-up builds or loads every kernel a step within the engine's limits may launch: serving afterwards
     never builds (a build would go through loader.load)."""
