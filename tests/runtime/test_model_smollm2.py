@@ -42,6 +42,8 @@ BOUNDS = {
                 # perplexity within this relative distance of llama.cpp's (measured -0.36%), the mean |difference|
                 # of the per-token log-probabilities at most this (measured 0.049)
                 "ppl_rel": 0.01, "mean_logprob_diff": 0.1},
+    # SmolLM2 on the GPU (float16, packed Q4_1): the same bounds as on the CPU
+    "smollm2_cuda": {"agree_total": 96, "divergence_gap": 0.6, "ppl_rel": 0.01, "mean_logprob_diff": 0.1},
     "stories260K": {"agree_total": 224, "divergence_gap": 0.2, "ppl_rel": 0.001, "mean_logprob_diff": 0.005},
 }
 
@@ -49,6 +51,17 @@ BOUNDS = {
 @pytest.fixture(scope="module")
 def smollm2():
     return LLM(model=smollm2_path(), device="cpu", progress=False)  # not installed: FileNotFoundError, a failure
+
+
+@pytest.fixture(scope="module")
+def smollm2_cuda():
+    """SmolLM2 on the GPU as a user gets it: float16, its Q4_1 projections packed (ir.QuantMatmul for decode steps,
+    dequantised tiles for longer ones), decode graphs."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.fail("no CUDA GPU: the gpu-marked tests need one")
+    return LLM(model=smollm2_path(), device="cuda", progress=False, max_model_len=1024)
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +75,18 @@ def llm(request):
 
 
 MODELS = pytest.mark.parametrize("llm", ["smollm2", "stories260K"], indirect=True, ids=str)
+# the same comparisons with SmolLM2 on the GPU (bounds: BOUNDS["smollm2_cuda"])
+MODELS_AND_GPU = pytest.mark.parametrize(
+    "llm", ["smollm2", "stories260K", pytest.param("smollm2_cuda", marks=pytest.mark.gpu)], indirect=True, ids=str)
 
 
 def name_of(llm) -> str:
     return "smollm2" if llm.tokenizer.vocab_size == 49152 else "stories260K"
+
+
+def bounds_of(llm) -> dict:
+    gpu = llm.engine.engine_config.device == "cuda"
+    return BOUNDS[name_of(llm) + ("_cuda" if gpu else "")]
 
 
 def test_smollm2_is_found_where_the_install_line_puts_it(smollm2):
@@ -122,13 +143,13 @@ def leading(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-@MODELS
+@MODELS_AND_GPU
 def test_greedy_follows_llama_cpp_until_a_near_tie(llm):
     """The recorded prompts together (one batch), 64 greedy tokens each: the leading tokens that agree with
     llama.cpp's, summed, at least the bound (the module docstring gives the measurement), and where a continuation
     first differs, llama.cpp's own top two logits were within the bound and our token is its runner-up."""
     name = name_of(llm)
-    rec, bound = REF["models"][name], BOUNDS[name]
+    rec, bound = REF["models"][name], bounds_of(llm)
     outs = llm.generate([g["prompt_ids"] for g in rec["greedy"]], GREEDY)
     agree = []
     for g, o in zip(rec["greedy"], outs):
@@ -139,20 +160,42 @@ def test_greedy_follows_llama_cpp_until_a_near_tie(llm):
         if n < 64:
             assert g["top2_logit_gap"][n] <= bound["divergence_gap"], (g.get("text", "chat"), n, g["top2_logit_gap"][n])
             assert got[n] == g["runner_up_ids"][n], (g.get("text", "chat"), n)
+    print(f"{name} on {llm.engine.engine_config.device}: leading agreement {agree}")
     assert sum(agree) >= bound["agree_total"], agree
 
 
-@MODELS
+@MODELS_AND_GPU
 def test_perplexity_within_bound_of_llama_cpp(llm):
     """tests/data/ppl_text.txt (stories260K: its first 512 tokens, the model's training context), the runtime's
     forward over the recorded ids: perplexity within a relative bound of llama.cpp's, and the per-token
     log-probabilities within a bound on average."""
     name = name_of(llm)
-    rec, bound = REF["models"][name]["perplexity"], BOUNDS[name]
+    rec, bound = REF["models"][name]["perplexity"], bounds_of(llm)
     ids = rec["ids"]
     want = llm.tokenizer.encode((Path(__file__).resolve().parents[2] / rec["text"]).read_text())
     assert ids == (want[:rec["max_tokens"]] if rec["max_tokens"] else want)
     lp = prompt_logprobs(llm.engine.executor, ids)
     ppl = float(np.exp(-lp.mean()))
+    diff = np.abs(lp - np.array(rec["token_logprobs"])).mean()
+    print(f"{name} on {llm.engine.engine_config.device}: perplexity {ppl:.4f} (llama.cpp {rec['perplexity']:.4f}, "
+          f"{ppl / rec['perplexity'] - 1:+.4%}), mean |log-prob difference| {diff:.4f}")
     assert abs(ppl / rec["perplexity"] - 1) <= bound["ppl_rel"], (ppl, rec["perplexity"])
-    assert np.abs(lp - np.array(rec["token_logprobs"])).mean() <= bound["mean_logprob_diff"]
+    assert diff <= bound["mean_logprob_diff"]
+
+
+@pytest.mark.gpu
+def test_smollm2_on_cuda_keeps_its_q4_1_weights_packed(smollm2_cuda):
+    """On the GPU the Q4_1 projections stay packed (half the bytes of float16 and less), decode steps replay graphs,
+    and a chat reply comes back through the chat template."""
+    import torch
+
+    engine = smollm2_cuda.engine
+    assert engine.kernels.name == "cuda" and engine.model.dtype == torch.float16
+    formats = engine.model.weight_formats()
+    assert "q4_1" in formats and "float16 x" not in formats, formats
+    tok = smollm2_cuda.tokenizer
+    text = chat.render(tok, [{"role": "user", "content": "What is the capital of France?"}], True)
+    reply = smollm2_cuda.generate(chat.encode(tok, text), SamplingParams(temperature=0, max_tokens=24))[0]
+    print(f"smollm2 on cuda ({formats}): {reply.outputs[0].text!r}")
+    assert engine.executor.graphs.replays > 0
+    assert "Paris" in reply.outputs[0].text, reply.outputs[0].text
