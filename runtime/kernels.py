@@ -81,19 +81,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
-def fp8_linear(module: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
-    """x @ (weight * scale)^T: on CUDA torch._scaled_mm (cuBLASLt's e4m3 matmul, row-wise scales) over x quantised a
-    token row at a time (scale = amax / 448); elsewhere the weights decoded to x's dtype."""
-    if x.is_cuda:
-        amax = x.abs().amax(dim=1, keepdim=True).float()
-        sx = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        xq = (x.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(xq, module.weight.t(), scale_a=sx, scale_b=module.scale[None, :], out_dtype=x.dtype)
-    else:
-        y = F.linear(x, (module.weight.float() * module.scale[:, None]).to(x.dtype))
-    return y if module.bias is None else y + module.bias
-
-
 class TorchLayerOps:
     """The model's layer ops in torch: the fallback of every backend without kernels for them."""
 
@@ -107,8 +94,26 @@ class TorchLayerOps:
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
             return y if module.bias is None else y + module.bias
         if isinstance(module, Fp8Linear):
-            return fp8_linear(module, x)
+            return self.fp8_linear(module, x)
         return F.linear(x, module.weight, module.bias)
+
+    def fp8_linear(self, module: Fp8Linear, x):
+        """x @ (weight * scale)^T (+ bias): on CUDA torch._scaled_mm (cuBLASLt's e4m3 matmul, row-wise scales) over
+        x's rows quantised to e4m3 (quantize_rows); elsewhere the weights decoded to x's dtype."""
+        if x.is_cuda:
+            xq, sx = self.quantize_rows(x)
+            y = torch._scaled_mm(xq, module.weight.t(), scale_a=sx[:, None], scale_b=module.scale[None, :],
+                                 out_dtype=x.dtype)
+        else:
+            y = F.linear(x, (module.weight.float() * module.scale[:, None]).to(x.dtype))
+        return y if module.bias is None else y + module.bias
+
+    def quantize_rows(self, x):
+        """x [T, K]'s rows in e4m3 with their float32 scales [T] (ir.QuantizeRows: scale = amax / 448, 1 for a zero
+        or NaN row), in torch."""
+        amax = x.abs().amax(dim=1).float()
+        sx = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        return (x.float() / sx[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), sx
 
     def packed_runs(self, module: QuantLinear, x) -> list:
         """x @ W^T of each run of a packed projection's rows (no bias): here decoded every call; a backend with
@@ -234,6 +239,14 @@ class KernelLayerOps(PackedLinearOps):
             return out
         kern(x=x, residual=residual, weight=weight, out=x)  # residual += x; x = norm(residual)
         return x, residual
+
+    def quantize_rows(self, x):
+        T, K = x.shape
+        out = torch.empty((T, K), dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty(T, dtype=torch.float32, device=x.device)
+        self.layer_kernel(("quantize_rows", K, x.dtype), lambda: ir.QuantizeRows(K, ir.from_torch(x.dtype)))(
+            x=x, out=out, scale=scale)
+        return out, scale
 
     def silu_and_mul(self, x):
         inter = x.shape[1] // 2

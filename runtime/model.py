@@ -287,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
             ops.append(ir.RMSNorm(cfg.head_dim, dt, cfg.rms_norm_eps))
         ops += [ir.Rope(n, cfg.head_dim, dt, cfg.rope_theta, freq_factors=self.rope_freq_factors)
                 for n in sorted({cfg.num_heads, cfg.num_kv_heads})]
-        quant = {}  # the packed layers' decode matmuls and their row decoders (prefill, embedding lookups)
+        quant = {}  # the packed layers' decode matmuls, their row decoders (prefill, embedding lookups), fp8 inputs
         for module in self.modules():
             if isinstance(module, QuantLinear):
                 for part, _ in module.packed():
@@ -295,6 +295,8 @@ class LlamaForCausalLM(nn.Module):
                     quant[ir.Dequantize(module.in_features, part.weight_format, dt)] = None
             elif isinstance(module, QuantEmbedding):
                 quant[ir.Dequantize(module.embedding_dim, module.weight_format, dt)] = None
+            elif isinstance(module, Fp8Linear):  # its activations' e4m3 rows (CUDA only, as fp8 quantisation)
+                quant[ir.QuantizeRows(module.in_features, dt)] = None
         return ops + list(quant)
 
     def use_kernels(self, backend: TorchLayerOps) -> None:

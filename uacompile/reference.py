@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ir import (QMAX, WEIGHT_FORMATS, CopyBlocks, Dequantize, MergeState, PagedAttention, QuantMatmul, ReshapeAndCache,
-                 RMSNorm, Rope, SiluAndMul, SwapBlocks, numpy_dtype)
+from .ir import (QMAX, WEIGHT_FORMATS, CopyBlocks, Dequantize, MergeState, PagedAttention, QuantizeRows, QuantMatmul,
+                 ReshapeAndCache, RMSNorm, Rope, SiluAndMul, SwapBlocks, numpy_dtype)
 
 
 def f64(x) -> np.ndarray:
@@ -310,6 +310,11 @@ def dequantize_op(op: Dequantize, weight):
     return _round(dequantize_blocks(weight, op.weight_format, op.in_features), op.dtype)
 
 
+def quantize_rows(op: QuantizeRows, x):
+    """Returns (out [T, E] in op.out_dtype, scale [T] float32): reference.quantize of each row."""
+    return quantize(x, op.out_dtype)
+
+
 def run(op, **arrays):
     """Dispatch by kind with keyword arrays named as in op.params(); op may be an ir.Kernel, whose config's
     split fields (signature()) select partials or the merged output."""
@@ -323,5 +328,6 @@ def run(op, **arrays):
         op = op.op
     fn = {"paged_attention": paged_attention, "merge_state": merge_state, "reshape_and_cache": reshape_and_cache,
           "copy_blocks": copy_blocks, "swap_blocks": swap_blocks, "rms_norm": rms_norm, "silu_and_mul": silu_and_mul,
-          "rope": rope_op, "quant_matmul": quant_matmul, "dequantize": dequantize_op}[op.kind]
+          "rope": rope_op, "quant_matmul": quant_matmul, "dequantize": dequantize_op,
+          "quantize_rows": quantize_rows}[op.kind]
     return fn(op, **arrays, **extra)

@@ -264,6 +264,22 @@ def silu_and_mul(x, out=None):
     return out
 
 
+def quantize_rows(x, out_dtype: str = "fp8_e4m3", out=None, scale=None):
+    """Each row of x [T, E] (bf16, fp16, fp32) quantised to out_dtype (fp8_e4m3 or int8) with its own float32 scale
+    (ir.QuantizeRows): returns (out [T, E], scale [T]), allocated when None. out is torch.float8_e4m3fn (or its uint8
+    bytes) or torch.int8."""
+    _need_dims("x", x, 2, "[num_tokens, hidden_size]")
+    if out_dtype not in ir.QUANT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {list(ir.QUANT_DTYPES)}, got {out_dtype!r}")
+    if out is None:
+        out = torch.empty(x.shape, dtype=ir.torch_dtype(out_dtype), device=x.device)
+    if scale is None:
+        scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    op = ir.QuantizeRows(hidden_size=x.shape[1], dtype=_kv_dtype("x", x), out_dtype=out_dtype)
+    kernel(op)(x=x, out=out, scale=scale)
+    return out, scale
+
+
 def rope(x, positions, rope_theta: float, interleaved: bool = False):
     """Rotary embedding of x [T, H, D] in place at positions [T] int64 (ir.Rope); returns x."""
     _need_dims("x", x, 3, "[num_tokens, num_heads, head_dim]")

@@ -271,6 +271,14 @@ def _dequantize(op: ir.Dequantize, arch: str):
                                          c_type=ir.DTYPES[op.dtype].c, threads=256)
 
 
+def _quantize_rows(op: ir.QuantizeRows, arch: str):
+    vec = vector_width(op.hidden_size, ir.itemsize(op.dtype))
+    chunks = op.hidden_size // vec
+    threads = min(1024, max(32, _round_up(-(-chunks // 4), 32)))  # a row in registers, as rms_norm
+    return "cuda/quantize_rows.cu.j2", dict(E=op.hidden_size, vec=vec, threads=threads, c_type=ir.DTYPES[op.dtype].c,
+                                            q_type="int8_t" if op.out_dtype == "int8" else "uint8_t")
+
+
 CONTEXT_BUILDERS = {
     "reshape_and_cache": _reshape_and_cache,
     "copy_blocks": lambda op, arch: ("cuda/copy_blocks.cu.j2", _page_copy(op)),
@@ -282,6 +290,7 @@ CONTEXT_BUILDERS = {
     "rope": _rope,
     "quant_matmul": _quant_matmul,
     "dequantize": _dequantize,
+    "quantize_rows": _quantize_rows,
 }
 
 

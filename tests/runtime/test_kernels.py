@@ -118,3 +118,22 @@ def test_copy_and_swap_move_the_scales_with_the_pages(kv, backend_name, rng):
     back = torch.tensor([[2, 9]], dtype=torch.int64)
     backend.swap_blocks(src=host, dst=cache, mapping=back, src_scales=host_s, dst_scales=scales)
     assert torch.equal(scales[:, :, 9], host_s[:, :, 2]) and torch.equal(scales[:, :, 9], before_s[:, :, 3])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_torch_quantize_rows_is_the_reference(dtype, rng):
+    """TorchLayerOps.quantize_rows (FP8 weights' activations where no kernel runs them) gives ir.QuantizeRows'
+    reference bytes and scales: ordinary, tiny and huge rows, a zero row, a row holding a NaN."""
+    from uacompile.runtime.kernels import TorchLayerOps
+
+    x = torch.from_numpy(rng.standard_normal((6, 96)).astype(np.float32))
+    x *= torch.tensor([1.0, 1e-6, 3e4, 0.0, 1.0, 2.0])[:, None]
+    x[4, 5] = float("nan")
+    x = x.to(dtype)
+    q, s = TorchLayerOps().quantize_rows(x)
+    want_q, want_s = reference.run(ir.QuantizeRows(96, ir.from_torch(dtype)), x=x.float().numpy())
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (6,)
+    assert np.array_equal(s.numpy(), want_s)
+    got, want = q.view(torch.uint8).numpy(), np.asarray(want_q).view(np.uint8)
+    nan = np.isnan(np.asarray(want_q).astype(np.float32))
+    assert np.array_equal(got[~nan], want[~nan]) and np.isnan(q.float().numpy()[nan]).all() and nan.sum() == 1

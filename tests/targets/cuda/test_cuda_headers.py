@@ -121,6 +121,11 @@ template __global__ void qm_simple<ua::qm::Fmt::Q6_K, float>(const float*, const
 template __global__ void qm_dequantize<ua::qm::Fmt::Q4_1, float>(const uint8_t*, float*, int64_t);
 template __global__ void qm_dequantize<ua::qm::Fmt::Q5_K, half>(const uint8_t*, half*, int64_t);
 """,
+    "quantize_rows.cuh": """
+template __global__ void ua::quantize_rows_kernel<ua::bf16, uint8_t, 4096, 8, 128>(const ua::bf16*, uint8_t*, float*);
+template __global__ void ua::quantize_rows_kernel<half, int8_t, 27, 1, 32>(const half*, int8_t*, float*);
+template __global__ void ua::quantize_rows_kernel<float, uint8_t, 12288, 4, 768>(const float*, uint8_t*, float*);
+""",
     "hopper.cuh": """
 __global__ void hopper_kernel(float* out) {
 #if __CUDA_ARCH__ >= 900
