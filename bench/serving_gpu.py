@@ -16,7 +16,7 @@ prefilled, then decoded together; --llama-cpp BIN_DIR) on the same GGUF files.
 Weights (--weights, every row has a `weights` field): bf16 (random weights), q8_0 (a Q8_0 GGUF from --gguf, else the
 random weights quantised at load), q4_k (a Q4_K_M GGUF from --gguf: Q4_K with Q6_K rows), fp8 (random weights in e4m3
 rows, quantization="fp8"). A format's floors count its own bytes (the packed blocks a step reads) and, for fp8, the
-e4m3 matmul rate.
+e4m3 matmul rate for the projections (attention's FLOPs stay at the bf16 rate: its matmuls are bf16 in every format).
 Every request arrives at t = 0. Per request: TTFT = its first token's time; TPOT = (last token - first token) /
 (outputs - 1), which counts the prefill steps of later requests that run between its tokens; decode_step_ms = the
 median step while every request decodes (after the last first token, before the first finishes; for HF, TPOT);
@@ -146,13 +146,16 @@ def model_numbers(cfg: ModelConfig, kv_dtype: str = "bf16") -> tuple[float, floa
 
 
 def floors(w: Workload, cfg: ModelConfig, tflops: float, gbps: float, weight_bytes: float | None = None,
-           kv_dtype: str = "bf16") -> tuple[float, float, float]:
-    """(ttft floor: prompts one after another, the mean finish; all prompts prefilled; tpot floor in ms). weight_bytes:
-    what a decode step reads of the weights in their format (default: bf16); kv_dtype: the KV cache's (IR name)."""
+           kv_dtype: str = "bf16", attn_tflops: float | None = None) -> tuple[float, float, float]:
+    """(ttft floor: prompts one after another, the mean finish; all prompts prefilled; tpot floor in ms). tflops: the
+    weights' matmul rate (bf16, or e4m3 for fp8 weights); attn_tflops: attention's (its bf16 matmuls; default
+    tflops). weight_bytes: what a decode step reads of the weights in their format (default: bf16); kv_dtype: the KV
+    cache's (IR name)."""
     params, bf16_bytes, kv_token = model_numbers(cfg, kv_dtype)
     weight_bytes = bf16_bytes if weight_bytes is None else weight_bytes
     attn = lambda n: 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n / 2  # noqa: E731 (causal)
-    times = [(2 * params * len(p) + attn(len(p))) / (tflops * 1e12) for p in w.prompts]
+    attn_tflops = tflops if attn_tflops is None else attn_tflops
+    times = [2 * params * len(p) / (tflops * 1e12) + attn(len(p)) / (attn_tflops * 1e12) for p in w.prompts]
     finish = np.cumsum(times)
     steps = [(weight_bytes + kv_token * sum(len(p) + i for p in w.prompts)) / (gbps * 1e9) for i in range(w.output_len)]
     return float(finish.mean()), float(finish[-1]), 1e3 * float(np.mean(steps))
@@ -372,7 +375,7 @@ def main(argv=None) -> int:
             for w in wls:
                 rate = fp8_tflops if fmt == "fp8" else tflops
                 kv = kv_dtype if impl.startswith("uacompile") else model_kv
-                r = row(w, impl, fmt, run(w), floors(w, cfg, rate, gbps, read_bytes.get(fmt), kv), kv)
+                r = row(w, impl, fmt, run(w), floors(w, cfg, rate, gbps, read_bytes.get(fmt), kv, tflops), kv)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             del runner, run  # the next implementation profiles the GPU's free memory: give this one's back first
