@@ -1,5 +1,5 @@
 """Paged KV-cache bookkeeping: page allocator with ref counts, hash-chained prefix cache with LRU
-eviction, copy-on-write for forks, swap to a CPU pool, and compaction.
+eviction, copy-on-write for forks, swap to a CPU pool, pins for asynchronous copies, and compaction.
 
 It moves no data: every method that needs bytes moved returns (src, dst) page pairs that the
 executor hands to swap_blocks / copy_blocks before the step's forward pass, in this order:
@@ -8,6 +8,11 @@ swap-out, swap-in, copies. Page states (one at a time, for every device page):
   cached    ref == 0, registered: kept in an LRU list, evicted oldest first when pages run out
   free      ref == 0, unregistered
   deferred  ref == 0, but a copy of this step still reads it: not handed out before end_step()
+A pin (pin / unpin) is a hold without a block table: the CPU offload tier (offload.py) pins the pages an
+asynchronous copy reads or writes, so a page freed by its sequence meanwhile is not handed out before the copy ends.
+
+Fragmentation (fragmentation()): the share of the page ids below the highest live page (in use or cached) that are
+not live, 1 - live / (highest live id + 1): 0 when the live pages are packed at the front. compact() packs them.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ class KVManager:
         self.cpu_pending_free: list[int] = []             # read by this step's swap-in; reusable next step
         self.copy_sources: set[int] = set()               # read by this step's copy_blocks ...
         self.deferred: list[int] = []                     # ... so if freed, not reused until next step
+        self.pins: dict[int, int] = {}                    # page -> holds by asynchronous copies (pin / unpin)
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -61,6 +67,21 @@ class KVManager:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+    def _live(self, page: int) -> bool:
+        return self.ref_count[page] > 0 or page in self.page_to_hash
+
+    def fragmentation(self) -> tuple[float, int]:
+        """(1 - live / (highest live page id + 1), holes): the share and number of the ids below the highest
+        live page that hold nothing (0.0, 0 when the live pages are packed at the front or none is live)."""
+        empty = set(self.free_pages).union(p for p in self.deferred if p not in self.page_to_hash)
+        top = self.num_pages - 1
+        while top >= 0 and top in empty:
+            top -= 1
+        if top < 0:
+            return 0.0, 0
+        holes = sum(1 for p in empty if p < top)
+        return holes / (top + 1), holes
 
     # ---- page primitives ------------------------------------------------------------------------
     def _take_free_page(self) -> int:
@@ -92,6 +113,24 @@ class KVManager:
             else:
                 self.free_pages.append(page)
 
+    def pin(self, page: int) -> None:
+        """Hold page for an asynchronous copy (it must be held by a block table or freshly allocated)."""
+        if self.ref_count[page] <= 0:
+            raise RuntimeError(f"page {page} pinned while not held")
+        self.ref_count[page] += 1
+        self.pins[page] = self.pins.get(page, 0) + 1
+
+    def unpin(self, page: int) -> None:
+        """The copy is done: drop its hold (the page is freed or cached if no block table holds it)."""
+        n = self.pins.get(page, 0)
+        if n <= 0:
+            raise RuntimeError(f"page {page} unpinned but not pinned")
+        if n == 1:
+            del self.pins[page]
+        else:
+            self.pins[page] = n - 1
+        self.unref(page)
+
     def _unregister(self, page: int) -> None:
         h = self.page_to_hash.pop(page, None)
         if h is not None:
@@ -107,13 +146,21 @@ class KVManager:
             hashes.append(page_hash(hashes[-1] if hashes else None, seq.token_ids[i * P:(i + 1) * P]))
         return hashes[:num_full_pages]
 
+    def prefix_hashes(self, seq: Sequence) -> list[int]:
+        """The hash chain a prefix match may use: seq's full pages, its last token excluded."""
+        return self._hashes(seq, (seq.num_tokens - 1) // self.page_size)
+
+    def computed_page_hashes(self, seq: Sequence) -> list[int]:
+        """The hashes of seq's full, computed pages that its block table holds, in order."""
+        return self._hashes(seq, min(seq.num_computed_tokens // self.page_size, len(seq.block_table)))
+
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached pages holding a prefix of seq (no side effects). The last token is never matched:
         the model must compute at least one position to produce logits."""
         if not self.enable_prefix_caching:
             return []
         pages = []
-        for h in self._hashes(seq, (seq.num_tokens - 1) // self.page_size):
+        for h in self.prefix_hashes(seq):
             page = self.hash_to_page.get(h)
             if page is None:
                 break
@@ -242,10 +289,13 @@ class KVManager:
     # ---- compaction -----------------------------------------------------------------------------
     def compact(self) -> list[tuple[int, int]]:
         """Plan copy_blocks moves packing live pages (in use or cached) into the lowest ids; updates
-        every block table and the cache. Run the moves as a step of their own."""
+        every block table and the cache. The moves run before any other cache op of the step (ScheduledBatch.moves,
+        their own copy_blocks launch); never while an asynchronous copy holds pages (RuntimeError)."""
+        if self.pins:
+            raise RuntimeError(f"compact: {len(self.pins)} pages are pinned by asynchronous copies")
         self.end_step()
-        live = [p for p in range(self.num_pages) if self.ref_count[p] > 0 or p in self.page_to_hash]
-        holes = [p for p in range(len(live)) if not (self.ref_count[p] > 0 or p in self.page_to_hash)]
+        live = [p for p in range(self.num_pages) if self._live(p)]
+        holes = [p for p in range(len(live)) if not self._live(p)]
         moves = list(zip([p for p in live if p >= len(live)], holes))
         if not moves:
             return []
@@ -267,6 +317,9 @@ class KVManager:
         for seq in self.owners.values():
             for p in seq.block_table:
                 held[p] += 1
+        for p, n in self.pins.items():
+            assert n > 0, f"page {p} listed with {n} pins"
+            held[p] += n
         assert held == self.ref_count, f"ref counts {self.ref_count} != block-table holds {held}"
         free, lru, deferred = set(self.free_pages), set(self.lru), set(self.deferred)
         assert len(free) == len(self.free_pages) and len(deferred) == len(self.deferred), "a page listed twice"
