@@ -64,6 +64,9 @@ class SchedulerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if self.num_offload_pages and not self.enable_prefix_caching:
+            raise ValueError("the CPU offload tier (num_offload_pages > 0) keys pages by the prefix cache's hashes: "
+                             "it needs enable_prefix_caching=True")
         if self.preemption == "offload" and not self.num_offload_pages:
             raise ValueError("preemption='offload' needs a CPU offload tier: num_offload_pages > 0 "
                              "(EngineConfig.cpu_offload_bytes)")
@@ -311,7 +314,8 @@ class Scheduler:
                 order = sorted(self.running, key=self._victim_key, reverse=True)
                 saved = self.tier.plan_saves(kv, order, c.offload_pages_per_step, batch.offload)
             self.tier.launched(batch.offload, saved, restoring)
-            if batch.is_empty and self.restoring:  # nothing to run until a restore lands: wait for it
+            if batch.is_empty and self.tier.busy and self.has_unfinished():
+                # nothing runs until copies land (a restore, or saves whose pins hold the pages): wait for them
                 self._restored(self.tier.wait_oldest(kv))
                 return self.schedule()
         return batch
@@ -321,7 +325,7 @@ class Scheduler:
 
     def _tier_match(self, seq: Sequence, num_gpu_pages: int) -> list[int]:
         """Tier pages continuing seq's prefix after its num_gpu_pages pages in the GPU prefix cache."""
-        if self.tier is None or not self.config.enable_prefix_caching:
+        if self.tier is None:
             return []
         return self.tier.match(self.kv.prefix_hashes(seq)[num_gpu_pages:])
 
