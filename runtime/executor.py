@@ -39,8 +39,9 @@ class Executor:
         cfg = model.cfg
         self.model, self.kernels, self.page_size, self.device = model, kernels, page_size, device
         dtype = ir.torch_dtype(kernels.ops.kv_dtype)
+        spare = 4 // math.gcd(page_size * cfg.num_kv_heads, 4)
         if kernels.ops.quantized:  # each layer's K / V scales start 16-byte aligned (CUDA reads them so): spare pages
-            num_pages += -num_pages % (4 // math.gcd(page_size * cfg.num_kv_heads, 4))  # the KV manager never hands out
+            num_pages += -num_pages % spare  # the KV manager never hands out
         shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         pin = device == "cuda" and num_cpu_pages > 0
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
@@ -53,6 +54,8 @@ class Executor:
         self.offload_kv = self.offload_scales = None  # the CPU offload tier's pages
         if num_offload_pages:
             off_pin = device == "cuda"
+            if kernels.ops.quantized:  # aligned as the device pool's (spare pages the tier never hands out)
+                num_offload_pages += -num_offload_pages % spare
             self.offload_kv = torch.zeros((*shape[:2], num_offload_pages, *shape[3:]), dtype=dtype, pin_memory=off_pin)
             if kernels.ops.quantized:
                 self.offload_scales = torch.zeros((*shape[:2], num_offload_pages, *shape[3:-1]), dtype=torch.float32,

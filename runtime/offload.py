@@ -134,6 +134,7 @@ class OffloadTier:
         self.entries: OrderedDict[int, _Entry] = OrderedDict()  # hash -> entry, oldest first
         self.reads: dict[int, int] = {}  # tier page -> restores in flight reading it
         self.inflight: list[_InFlight] = []
+        self.cursor: dict[int, int] = {}  # seq_id -> how many of its leading pages plan_saves has handled
         self.stats = TierStats()
 
     # ---- lookups --------------------------------------------------------------------------------
@@ -180,19 +181,30 @@ class OffloadTier:
         returns the hashes saved. Pins the device pages they read."""
         saved = []
         for seq in seqs:
-            for i, h in enumerate(kv.computed_page_hashes(seq)):
+            hashes = kv.computed_page_hashes(seq)
+            i = self.cursor.get(seq.seq_id, 0)  # its pages before i are saved (or were, if evicted since)
+            while i < len(hashes):
                 if len(saved) >= max_pages:
-                    return saved
-                if h in self.entries:
-                    continue
-                page = self._reserve(h)
-                if page is None:
-                    self.stats.pages_not_saved += 1
-                    return saved
-                kv.pin(seq.block_table[i])
-                plan.save.append((seq.block_table[i], page))
-                saved.append(h)
+                    break
+                h = hashes[i]
+                if h not in self.entries:
+                    page = self._reserve(h)
+                    if page is None:
+                        self.stats.pages_not_saved += 1
+                        self.cursor[seq.seq_id] = i
+                        return saved
+                    kv.pin(seq.block_table[i])
+                    plan.save.append((seq.block_table[i], page))
+                    saved.append(h)
+                i += 1
+            self.cursor[seq.seq_id] = i
+            if len(saved) >= max_pages:
+                break
         return saved
+
+    def forget(self, seq_id: int) -> None:
+        """seq is done: drop its save cursor (what it saved stays, for any sequence with that prefix)."""
+        self.cursor.pop(seq_id, None)
 
     def plan_restore(self, kv, tier_pages: list[int], device_pages: list[int], plan: OffloadPlan) -> None:
         """Add to plan the restore of tier_pages into device_pages (freshly allocated); pins both."""

@@ -118,6 +118,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0  # preemptions that went to the CPU pool (the rest recomputed)
         self.num_compactions = 0
+        self.fragmentation = (0.0, 0)  # KVManager.fragmentation() when compaction last looked
         self.pages_compacted = 0
         self.recomputed_tokens = 0  # tokens computed again after a recompute preemption
         self.lost: dict[int, int] = {}  # seq_id -> tokens it had computed when preempted by recompute
@@ -176,6 +177,8 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         self.lost.pop(seq.seq_id, None)
+        if self.tier is not None:
+            self.tier.forget(seq.seq_id)
         for children in self.parked.values():
             if seq in children:
                 children.remove(seq)
@@ -354,12 +357,15 @@ class Scheduler:
         c, kv = self.config, self.kv
         if c.compact_threshold is None or (self.tier is not None and self.tier.busy) or kv.pins:
             return []
-        share, holes = kv.fragmentation()
+        if len(kv.free_pages) + len(kv.deferred) < c.compact_min_holes:
+            return []  # too few empty pages for that many holes
+        share, holes = self.fragmentation = kv.fragmentation()
         if share < c.compact_threshold or holes < c.compact_min_holes:
             return []
         moves = kv.compact()
         self.num_compactions += 1
         self.pages_compacted += len(moves)
+        self.fragmentation = (0.0, 0)
         log.info("compacted the KV cache: fragmentation %.2f (%d holes), %d pages moved", share, holes, len(moves))
         return moves
 
@@ -435,4 +441,4 @@ class Scheduler:
                 "offload_pages_not_ready": tier.pages_not_ready if tier else 0,
                 "offload_pages_used": self.tier.num_used if tier else 0,
                 "num_compactions": self.num_compactions, "pages_compacted": self.pages_compacted,
-                "fragmentation": kv.fragmentation()[0]}
+                "fragmentation": self.fragmentation[0]}
