@@ -3,10 +3,8 @@ fail-closed fallbacks) and its copy engines; driven through the scheduler with a
 back (HeldCopies: a copy moves the fake KV only when released, so one that has not finished is seen as such), and
 through the engine on stories260K: greedy outputs identical under offload, recompute and no memory pressure, 8-bit
 caches (scales in the tier) included, and a prefix evicted from the GPU cache restored from the tier. The CUDA stream
-path is at the end (gpu marker)."""
-import numpy as np
+path: test_offload_gpu.py."""
 import pytest
-import torch
 
 from test_scheduler import FakeExecutor, expected, run, seq, workload  # noqa: E402  (tests/runtime on sys.path)
 from uacompile.models import STORIES260K
@@ -313,34 +311,3 @@ def test_bad_offload_options_are_one_line_errors(kw, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
                        .replace("]", r"\]")):
         LLM(STORIES260K, cpu_threads=1, **kw)
-
-
-# ---- CUDA: the copy stream ----------------------------------------------------------------------
-@pytest.mark.gpu
-def test_stream_copies_run_after_the_compute_stream_and_report_when_done():
-    from uacompile.runtime.offload import StreamCopies
-
-    copies = StreamCopies()
-    src = torch.randn(64 << 20, device="cuda")
-    host = torch.empty(64 << 20, pin_memory=True)
-    src.mul_(2)  # queued on the compute stream before the copy: the copy must see it
-    want = src.cpu()
-    ticket = copies.submit(lambda: host.copy_(src, non_blocking=True))
-    ticket.wait()
-    assert ticket.done() and torch.equal(host, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
-def test_cuda_offload_gives_the_tokens_of_no_pressure(kv):
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-
-    def run_cuda(**kw):
-        llm = LLM(STORIES260K, device="cuda", progress=False, kv_cache_dtype=kv, page_size=16, **kw)
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 4, params)], llm.engine.scheduler.stats()
-
-    want, _ = run_cuda(num_pages=256)
-    got, st = run_cuda(num_pages=24, max_model_len=160, preemption="offload", num_offload_pages=256,
-                       offload_watermark=0)
-    assert st["num_preemptions"] > 0 and st["pages_restored"] > 0
-    assert got == want
