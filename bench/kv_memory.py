@@ -14,8 +14,9 @@ bf16 KV. Rows:
     pool's pages // the pages one sequence needs (prompt + outputs), what the pool holds at once without preempting;
     peak_running = the most sequences running at once in the run;
   preemption under pressure (--preemptions: recompute, swap, offload; KV --pressure-kv, default bf16): swap's host
-    pool and the offload tier take --host-gb of pinned host memory each (one engine at a time); offload rows name
-    their offload_pages_per_step (--offload-pages-per-step, a comma list: one row each).
+    pool and the offload tier take --host-gb of pinned host memory each (one engine at a time; torch's pinned
+    allocator rounds a block up to a power of two: 48 GB takes 64 GiB); offload rows name their
+    offload_pages_per_step (--offload-pages-per-step, a comma list: one row each).
 Per row: output_tok_s = all output tokens / the workload's wall time; ttft_p99_s (and mean) from t = 0;
 preemptions, recomputed_tokens (tokens computed again after a preemption: Scheduler.recomputed_tokens), the tier's
 pages_offloaded / pages_restored / prefix_hits_cpu, pool_share = the pool's tokens / the work's tokens.
@@ -203,6 +204,8 @@ def main(argv=None) -> int:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+                if hasattr(torch._C, "_host_emptyCache"):  # the pinned pool / tier: give the host memory back
+                    torch._C._host_emptyCache()
         del source
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     given = list(argv if argv is not None else sys.argv[1:])
