@@ -164,6 +164,12 @@ class OffloadTier:
             pages.append(e.page)
         return pages
 
+    def touch(self, hashes: list[int]) -> None:
+        """Move the entries of hashes held to the recent end (a preempted sequence's: evicted last)."""
+        for h in hashes:
+            if h in self.entries:
+                self.entries.move_to_end(h)
+
     # ---- planning -------------------------------------------------------------------------------
     def _reserve(self, h: int) -> int | None:
         if not self.free:

@@ -383,6 +383,8 @@ class Scheduler:
         else:
             log.info("preempted sequence %d by recompute: its %d computed tokens freed (%d preemptions so far)",
                      seq.seq_id, seq.num_computed_tokens, self.num_preemptions)
+            if self.tier is not None:  # what the tier holds of it is what it comes back with: keep it longest
+                self.tier.touch(self.kv.computed_page_hashes(seq))
             self.kv.free(seq)
             self.lost[seq.seq_id] = seq.num_computed_tokens
             seq.num_computed_tokens = 0

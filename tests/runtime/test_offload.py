@@ -108,6 +108,20 @@ def test_a_full_tier_evicts_its_oldest_ready_entry_and_never_one_in_flight():
     tier.check_invariants()
 
 
+def test_touched_entries_are_evicted_last():
+    kv, tier = KVManager(16, 2), OffloadTier(2)
+    a = running_seq(kv, 0, 5)
+    p = OffloadPlan(ticket=DONE)
+    saved = tier.plan_saves(kv, [a], 8, p)
+    tier.launched(p, saved, [])
+    tier.poll(kv)
+    tier.touch(saved[:1])  # the first page is now the most recently used
+    b = running_seq(kv, 1, 3)
+    q = OffloadPlan(ticket=DONE)
+    tier.launched(q, tier.plan_saves(kv, [b], 8, q), [])
+    assert saved[0] in tier and saved[1] not in tier
+
+
 def test_a_restore_pins_its_tier_pages_against_eviction():
     kv, tier = KVManager(16, 2), OffloadTier(1)
     a = running_seq(kv, 0, 3)
