@@ -128,7 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pressure-kv", default="bf16", help="the KV dtypes of the swap / offload rows (comma list)")
     ap.add_argument("--kv-gb", type=float, default=24.0, help="the KV budget, GB (1e9 bytes)")
     ap.add_argument("--host-gb", type=float, default=48.0, help="swap pool / offload tier, GB of pinned host memory")
-    ap.add_argument("--offload-pages-per-step", default="256", help="comma list: one offload row each")
+    ap.add_argument("--offload-pages-per-step", default="1024",
+                    help="comma list: one offload row each (an 8192-token prefill step computes 512 pages)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16384)
     ap.add_argument("--output-len", type=int, default=128)
