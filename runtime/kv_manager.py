@@ -52,6 +52,7 @@ class KVManager:
         self.copy_sources: set[int] = set()               # read by this step's copy_blocks ...
         self.deferred: list[int] = []                     # ... so if freed, not reused until next step
         self.pins: dict[int, int] = {}                    # page -> holds by asynchronous copies (pin / unpin)
+        self.high_water = -1                              # no page above this id is live
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -74,13 +75,14 @@ class KVManager:
     def fragmentation(self) -> tuple[float, int]:
         """(1 - live / (highest live page id + 1), holes): the share and number of the ids below the highest
         live page that hold nothing (0.0, 0 when the live pages are packed at the front or none is live)."""
-        empty = set(self.free_pages).union(p for p in self.deferred if p not in self.page_to_hash)
-        top = self.num_pages - 1
-        while top >= 0 and top in empty:
+        top = self.high_water  # no page above it was handed out since the last compaction
+        while top >= 0 and not self._live(top):
             top -= 1
+        self.high_water = top
         if top < 0:
             return 0.0, 0
-        holes = sum(1 for p in empty if p < top)
+        live = self.num_pages - len(self.free_pages) - sum(1 for p in self.deferred if p not in self.page_to_hash)
+        holes = top + 1 - live
         return holes / (top + 1), holes
 
     # ---- page primitives ------------------------------------------------------------------------
@@ -91,6 +93,7 @@ class KVManager:
             page, _ = self.lru.popitem(last=False)
             del self.hash_to_page[self.page_to_hash.pop(page)]
         self.ref_count[page] = 1
+        self.high_water = max(self.high_water, page)
         return page
 
     def _ref(self, page: int) -> None:
@@ -309,6 +312,7 @@ class KVManager:
                 self.page_to_hash[dst], self.hash_to_page[h] = h, dst
         self.lru = OrderedDict((where.get(p, p), None) for p in self.lru)
         self.free_pages = list(range(self.num_pages - 1, len(live) - 1, -1))
+        self.high_water = len(live) - 1
         return moves
 
     # ---- checks (tests and debugging) -----------------------------------------------------------
@@ -330,6 +334,8 @@ class KVManager:
             assert (p in free) == (not in_use and not cached and not held_back), f"page {p} free-list state wrong"
             assert (p in lru) == (not in_use and cached and not held_back), f"page {p} LRU state wrong"
         assert all(self.hash_to_page[h] == p for p, h in self.page_to_hash.items())
+        above = range(self.high_water + 1, self.num_pages)
+        assert not any(self.ref_count[p] or p in self.page_to_hash for p in above), "a live page above high_water"
         assert len(self.hash_to_page) == len(self.page_to_hash)
         cpu = self.cpu_free + self.cpu_pending_free + [c for t in self.cpu_tables.values() for c in t]
         assert sorted(cpu) == list(range(self.num_cpu_pages)), "a CPU page is leaked or held twice"

@@ -338,3 +338,22 @@ def test_fragmentation_is_the_share_of_holes_below_the_highest_live_page():
     moves = kv.compact()
     assert sorted(d for _, d in moves) == [0] and kv.fragmentation() == (0.0, 0)
     kv.check_invariants()
+
+
+def test_fragmentation_agrees_with_a_scan_of_every_page(rng):
+    kv = KVManager(num_pages=64, page_size=2)
+    seqs = {}
+    for step in range(400):
+        if seqs and rng.random() < 0.45:
+            kv.release(seqs.pop(int(rng.choice(list(seqs)))))
+        else:
+            toks = rng.integers(1, 4, int(rng.integers(1, 9))).tolist()
+            if kv.num_free_pages >= kv.pages_for(len(toks)):
+                seqs[step] = _filled(kv, step, toks)
+        if rng.random() < 0.05:
+            kv.compact()
+        live = [p for p in range(64) if kv.ref_count[p] or p in kv.page_to_hash]
+        want = (0.0, 0) if not live else (1 - len(live) / (live[-1] + 1), live[-1] + 1 - len(live))
+        got = kv.fragmentation()
+        assert got[1] == want[1] and got[0] == pytest.approx(want[0]), step
+        kv.check_invariants()
