@@ -337,3 +337,4 @@ class AsyncEngine:
             "num_preemptions": sch.num_preemptions, "prefix_queries": kv.prefix_query_tokens,
             "prefix_hits": kv.prefix_hit_tokens, "requests_tracked": len(self.engine.requests),
             "num_active": self.num_active}
+        self.stats.update({k: v for k, v in sch.stats().items() if k not in self.stats})

@@ -104,6 +104,8 @@ class EngineConfig:
     kernel_backend: str = "auto"      # auto | tvm-cpu | cuda | tvm-cuda | reference
     kv_cache_bytes: int | None = None  # KV budget when num_pages is not given
     kv_cache_dtype: str = "auto"      # auto (the model's dtype) | bf16 | fp16 (must be the model's) | fp8_e4m3 | int8
+    cpu_offload_bytes: int | None = None  # the CPU offload tier (host memory, pinned on CUDA) when num_offload_pages
+    #                                   is not given; None: no tier
     seed: int = 0                     # seeds of requests that bring none
     cpu_threads: int | None = None    # torch.set_num_threads and tvm-cpu's pool (process-wide); None: the defaults
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU the engine takes (weights, activations, KV)
@@ -131,6 +133,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_bytes is not None and (not is_int(self.kv_cache_bytes) or self.kv_cache_bytes < 1):
             raise ValueError(f"kv_cache_bytes must be an int >= 1 (bytes) or None, got {self.kv_cache_bytes!r}")
+        if self.cpu_offload_bytes is not None and (not is_int(self.cpu_offload_bytes) or self.cpu_offload_bytes < 1):
+            raise ValueError(f"cpu_offload_bytes must be an int >= 1 (bytes) or None, got {self.cpu_offload_bytes!r}")
         if not is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must be an int in [0, 2**64 - 1], got {self.seed!r}")
         if self.cpu_threads is not None and (not is_int(self.cpu_threads) or self.cpu_threads < 1):
@@ -197,7 +201,7 @@ class Engine:
             raise TypeError(f"engine_config must be an EngineConfig, got {type(ec).__name__}")
         if ec.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA GPU")
-        self._check_scheduler_kwargs(scheduler_kwargs)
+        self._check_scheduler_kwargs(scheduler_kwargs, ec.cpu_offload_bytes is not None)
         if ec.cpu_threads is not None:
             torch.set_num_threads(ec.cpu_threads)  # tiny models on a busy CPU run faster on one thread
         t0 = time.perf_counter()
@@ -233,12 +237,14 @@ class Engine:
         built = self.kernels.prepare(sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len, ec.progress)
         log.info("kernels ready in %.2f s (%s backend; %d prepared, %d libraries from the cache)",
                  time.perf_counter() - t0, self.kernels.name, built["kernels"], built["cached"])
-        self.executor = Executor(self.model, self.kernels, sc.num_pages, sc.num_cpu_pages, sc.page_size, ec.device)
+        self.executor = Executor(self.model, self.kernels, sc.num_pages, sc.num_cpu_pages, sc.page_size, ec.device,
+                                 sc.num_offload_pages)
         page_bytes = self._page_bytes(cfg, sc.page_size)
         log.info("KV cache: %d pages of %d tokens (%d tokens) in %s%s, %.4g GB on %s; swap pool %d pages (%.4g GB); "
-                 "max_model_len %d", sc.num_pages, sc.page_size, sc.num_pages * sc.page_size, self.kv_dtype,
-                 " with float32 scales" if ops.quantized else "", sc.num_pages * page_bytes / 1e9, ec.device,
-                 sc.num_cpu_pages, sc.num_cpu_pages * page_bytes / 1e9, sc.max_model_len)
+                 "offload tier %d pages (%.4g GB); max_model_len %d", sc.num_pages, sc.page_size,
+                 sc.num_pages * sc.page_size, self.kv_dtype, " with float32 scales" if ops.quantized else "",
+                 sc.num_pages * page_bytes / 1e9, ec.device, sc.num_cpu_pages, sc.num_cpu_pages * page_bytes / 1e9,
+                 sc.num_offload_pages, sc.num_offload_pages * page_bytes / 1e9, sc.max_model_len)
         if ec.device == "cuda" and ec.cuda_graphs:
             self.executor.capture_graphs(sc.max_num_seqs, sc.max_model_len, ec.progress)
         self._stats = {"t": time.monotonic(), "prompt": 0, "generated": 0}
@@ -252,7 +258,7 @@ class Engine:
 
     # ---- construction ---------------------------------------------------------------------------
     @staticmethod
-    def _check_scheduler_kwargs(kw: dict) -> None:
+    def _check_scheduler_kwargs(kw: dict, offload_bytes: bool = False) -> None:
         """Unknown names and bad values fail here, before the model loads (SchedulerConfig checks the rest)."""
         names = {f.name for f in fields(SchedulerConfig)}
         unknown = sorted(set(kw) - names)
@@ -262,7 +268,8 @@ class Engine:
         v = kw.get("max_model_len")
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"max_model_len must be an int >= 1, got {v!r}")
-        SchedulerConfig(**{**kw, "max_model_len": None})  # the other options' own checks, before the model loads
+        tier = {"num_offload_pages": 1} if offload_bytes and kw.get("num_offload_pages") is None else {}
+        SchedulerConfig(**{**kw, "max_model_len": None, **tier})  # the other options' checks, before the model loads
 
     def _page_bytes(self, cfg, page_size: int) -> int:
         return memory.page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, self.kv_dtype)
@@ -294,6 +301,11 @@ class Engine:
             want = kw.get("max_num_seqs", 32) * -(-max_len // P)  # every running sequence at full length
             kw["num_pages"] = min(want, budget // page_bytes)
         kw.setdefault("num_cpu_pages", kw["num_pages"] if kw.get("preemption") == "swap" else 0)
+        if kw.get("num_offload_pages") is None and self.engine_config.cpu_offload_bytes:
+            kw["num_offload_pages"] = self.engine_config.cpu_offload_bytes // page_bytes
+            if not kw["num_offload_pages"]:
+                raise ValueError(f"cpu_offload_bytes={self.engine_config.cpu_offload_bytes} holds no KV page: one "
+                                 f"page of {P} tokens takes {page_bytes} bytes for this model (KV in {self.kv_dtype})")
         capacity = kw["num_pages"] * P
         if asked is not None and asked > capacity:
             raise ValueError(f"max_model_len={asked} does not fit the KV cache: {kw['num_pages']} pages of {P} "
@@ -456,7 +468,9 @@ class Engine:
 
     def _trace_kv(self, batch, num_preempted: int) -> None:
         tr, kv = self.tracer, self.scheduler.kv
-        for name, pairs in (("swap_out", batch.swap_out), ("swap_in", batch.swap_in), ("copy", batch.copies)):
+        for name, pairs in (("swap_out", batch.swap_out), ("swap_in", batch.swap_in), ("copy", batch.copies),
+                            ("compact", batch.moves), ("offload_save", batch.offload.save),
+                            ("offload_restore", batch.offload.restore)):
             if pairs:
                 tr.instant(name, "kv", pages=len(pairs))
         if num_preempted:

@@ -4,7 +4,9 @@ kv [num_layers, 2, num_pages, P, Hkv, D] (CopyBlocks/SwapBlocks layout) in the c
 the model's, or int8 / fp8_e4m3), and the swap pool is a CPU tensor of the same layout (pinned on CUDA). An 8-bit
 cache keeps its float32 scales beside it, scales [num_layers, 2, num_pages, P, Hkv] (one per page, slot and KV
 head; the swap pool has its own), so every page move (swap_blocks, copy_blocks) takes them with the same mapping,
-and a page shared through the prefix cache shares its scales with it.
+and a page shared through the prefix cache shares its scales with it. The CPU offload tier (offload.py) is a third
+tensor of that layout (pinned on CUDA, with its own scales); its copies run on a copy engine (their own CUDA stream;
+on the CPU, at once), after the step's other cache ops, and are done when their ticket says so.
 
 A step's inputs are built on the host into reused (pinned on CUDA) buffers and copied to the device
 without blocking; nothing here waits for the GPU, so the engine can build step n + 1 while step n runs. Token
@@ -25,6 +27,7 @@ from uacompile import ir
 from .graphs import DecodeGraphs
 from .kernels import KernelBackend
 from .model import LlamaForCausalLM
+from .offload import OffloadPlan, StreamCopies, SyncCopies
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 from .step import Staging, StepInputs, device_step, fill_pending, host_step
@@ -32,12 +35,13 @@ from .step import Staging, StepInputs, device_step, fill_pending, host_step
 
 class Executor:
     def __init__(self, model: LlamaForCausalLM, kernels: KernelBackend, num_pages: int, num_cpu_pages: int,
-                 page_size: int, device: str):
+                 page_size: int, device: str, num_offload_pages: int = 0):
         cfg = model.cfg
         self.model, self.kernels, self.page_size, self.device = model, kernels, page_size, device
         dtype = ir.torch_dtype(kernels.ops.kv_dtype)
+        spare = 4 // math.gcd(page_size * cfg.num_kv_heads, 4)
         if kernels.ops.quantized:  # each layer's K / V scales start 16-byte aligned (CUDA reads them so): spare pages
-            num_pages += -num_pages % (4 // math.gcd(page_size * cfg.num_kv_heads, 4))  # the KV manager never hands out
+            num_pages += -num_pages % spare  # the KV manager never hands out
         shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         pin = device == "cuda" and num_cpu_pages > 0
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
@@ -47,6 +51,16 @@ class Executor:
             self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
             self.cpu_scales = torch.zeros((*shape[:2], num_cpu_pages, *shape[3:-1]), dtype=torch.float32,
                                           pin_memory=pin)
+        self.offload_kv = self.offload_scales = None  # the CPU offload tier's pages
+        if num_offload_pages:
+            off_pin = device == "cuda"
+            if kernels.ops.quantized:  # aligned as the device pool's (spare pages the tier never hands out)
+                num_offload_pages += -num_offload_pages % spare
+            self.offload_kv = torch.zeros((*shape[:2], num_offload_pages, *shape[3:]), dtype=dtype, pin_memory=off_pin)
+            if kernels.ops.quantized:
+                self.offload_scales = torch.zeros((*shape[:2], num_offload_pages, *shape[3:-1]), dtype=torch.float32,
+                                                  pin_memory=off_pin)
+        self.copy_engine = StreamCopies(device) if device == "cuda" and num_offload_pages else SyncCopies()
         self.layer_caches = []  # each layer's (k_cache, v_cache, k_scale, v_scale) views, made once
         for i in range(cfg.num_layers):
             scales = (self.scales[i, 0], self.scales[i, 1]) if self.scales is not None else (None, None)
@@ -63,7 +77,10 @@ class Executor:
         return self.staging.to_device(name, np.asarray(pairs, dtype=np.int64).reshape(-1, 2))
 
     def run_cache_ops(self, batch: ScheduledBatch) -> None:
-        """Order matters: swap-out frees pages that swap-in and copy-on-write may reuse."""
+        """Order matters: compaction renames the pages the others name; swap-out frees pages that swap-in and
+        copy-on-write may reuse; the offload copies start after all of them (on their own stream on CUDA)."""
+        if batch.moves:
+            self.kernels.copy_blocks(kv=self.kv, mapping=self._mapping("moves", batch.moves), scales=self.scales)
         if batch.swap_out:
             self.kernels.swap_blocks(src=self.kv, dst=self.cpu_kv, mapping=self._mapping("swap_out", batch.swap_out),
                                      src_scales=self.scales, dst_scales=self.cpu_scales)
@@ -72,6 +89,30 @@ class Executor:
                                      src_scales=self.cpu_scales, dst_scales=self.scales)
         if batch.copies:
             self.kernels.copy_blocks(kv=self.kv, mapping=self._mapping("copies", batch.copies), scales=self.scales)
+        if batch.offload:
+            self.launch_offload(batch.offload)
+
+    def launch_offload(self, plan: OffloadPlan) -> None:
+        """Start a plan's copies on the copy engine; plan.ticket says when they are done."""
+        def mapping(pairs):  # its own buffers: the copies may outlive this step's staging
+            host = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+            return host.pin_memory().to(self.device, non_blocking=True) if self.device == "cuda" else host
+
+        def launch():
+            keep = []
+            if plan.save:
+                m = mapping(plan.save)
+                self.kernels.swap_blocks(src=self.kv, dst=self.offload_kv, mapping=m, src_scales=self.scales,
+                                         dst_scales=self.offload_scales)
+                keep.append(m)
+            if plan.restore:
+                m = mapping(plan.restore)
+                self.kernels.swap_blocks(src=self.offload_kv, dst=self.kv, mapping=m, src_scales=self.offload_scales,
+                                         dst_scales=self.scales)
+                keep.append(m)
+            return keep
+
+        plan.ticket = self.copy_engine.submit(launch)
 
     def forward(self, step: StepInputs, plan) -> torch.Tensor:
         """The model over a step's tokens: hidden [T, E]."""

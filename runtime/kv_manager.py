@@ -1,5 +1,5 @@
 """Paged KV-cache bookkeeping: page allocator with ref counts, hash-chained prefix cache with LRU
-eviction, copy-on-write for forks, swap to a CPU pool, and compaction.
+eviction, copy-on-write for forks, swap to a CPU pool, pins for asynchronous copies, and compaction.
 
 It moves no data: every method that needs bytes moved returns (src, dst) page pairs that the
 executor hands to swap_blocks / copy_blocks before the step's forward pass, in this order:
@@ -8,6 +8,11 @@ swap-out, swap-in, copies. Page states (one at a time, for every device page):
   cached    ref == 0, registered: kept in an LRU list, evicted oldest first when pages run out
   free      ref == 0, unregistered
   deferred  ref == 0, but a copy of this step still reads it: not handed out before end_step()
+A pin (pin / unpin) is a hold without a block table: the CPU offload tier (offload.py) pins the pages an
+asynchronous copy reads or writes, so a page freed by its sequence meanwhile is not handed out before the copy ends.
+
+Fragmentation (fragmentation()): the share of the page ids below the highest live page (in use or cached) that are
+not live, 1 - live / (highest live id + 1): 0 when the live pages are packed at the front. compact() packs them.
 """
 from __future__ import annotations
 
@@ -46,6 +51,8 @@ class KVManager:
         self.cpu_pending_free: list[int] = []             # read by this step's swap-in; reusable next step
         self.copy_sources: set[int] = set()               # read by this step's copy_blocks ...
         self.deferred: list[int] = []                     # ... so if freed, not reused until next step
+        self.pins: dict[int, int] = {}                    # page -> holds by asynchronous copies (pin / unpin)
+        self.high_water = -1                              # no page above this id is live
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -62,6 +69,22 @@ class KVManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def _live(self, page: int) -> bool:
+        return self.ref_count[page] > 0 or page in self.page_to_hash
+
+    def fragmentation(self) -> tuple[float, int]:
+        """(1 - live / (highest live page id + 1), holes): the share and number of the ids below the highest
+        live page that hold nothing (0.0, 0 when the live pages are packed at the front or none is live)."""
+        top = self.high_water  # no page above it was handed out since the last compaction
+        while top >= 0 and not self._live(top):
+            top -= 1
+        self.high_water = top
+        if top < 0:
+            return 0.0, 0
+        live = self.num_pages - len(self.free_pages) - sum(1 for p in self.deferred if p not in self.page_to_hash)
+        holes = top + 1 - live
+        return holes / (top + 1), holes
+
     # ---- page primitives ------------------------------------------------------------------------
     def _take_free_page(self) -> int:
         if self.free_pages:  # uncached pages first: keeps the prefix cache as long as possible
@@ -70,6 +93,7 @@ class KVManager:
             page, _ = self.lru.popitem(last=False)
             del self.hash_to_page[self.page_to_hash.pop(page)]
         self.ref_count[page] = 1
+        self.high_water = max(self.high_water, page)
         return page
 
     def _ref(self, page: int) -> None:
@@ -92,6 +116,24 @@ class KVManager:
             else:
                 self.free_pages.append(page)
 
+    def pin(self, page: int) -> None:
+        """Hold page for an asynchronous copy (it must be held by a block table or freshly allocated)."""
+        if self.ref_count[page] <= 0:
+            raise RuntimeError(f"page {page} pinned while not held")
+        self.ref_count[page] += 1
+        self.pins[page] = self.pins.get(page, 0) + 1
+
+    def unpin(self, page: int) -> None:
+        """The copy is done: drop its hold (the page is freed or cached if no block table holds it)."""
+        n = self.pins.get(page, 0)
+        if n <= 0:
+            raise RuntimeError(f"page {page} unpinned but not pinned")
+        if n == 1:
+            del self.pins[page]
+        else:
+            self.pins[page] = n - 1
+        self.unref(page)
+
     def _unregister(self, page: int) -> None:
         h = self.page_to_hash.pop(page, None)
         if h is not None:
@@ -107,13 +149,21 @@ class KVManager:
             hashes.append(page_hash(hashes[-1] if hashes else None, seq.token_ids[i * P:(i + 1) * P]))
         return hashes[:num_full_pages]
 
+    def prefix_hashes(self, seq: Sequence) -> list[int]:
+        """The hash chain a prefix match may use: seq's full pages, its last token excluded."""
+        return self._hashes(seq, (seq.num_tokens - 1) // self.page_size)
+
+    def computed_page_hashes(self, seq: Sequence) -> list[int]:
+        """The hashes of seq's full, computed pages that its block table holds, in order."""
+        return self._hashes(seq, min(seq.num_computed_tokens // self.page_size, len(seq.block_table)))
+
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached pages holding a prefix of seq (no side effects). The last token is never matched:
         the model must compute at least one position to produce logits."""
         if not self.enable_prefix_caching:
             return []
         pages = []
-        for h in self._hashes(seq, (seq.num_tokens - 1) // self.page_size):
+        for h in self.prefix_hashes(seq):
             page = self.hash_to_page.get(h)
             if page is None:
                 break
@@ -242,10 +292,13 @@ class KVManager:
     # ---- compaction -----------------------------------------------------------------------------
     def compact(self) -> list[tuple[int, int]]:
         """Plan copy_blocks moves packing live pages (in use or cached) into the lowest ids; updates
-        every block table and the cache. Run the moves as a step of their own."""
+        every block table and the cache. The moves run before any other cache op of the step (ScheduledBatch.moves,
+        their own copy_blocks launch); never while an asynchronous copy holds pages (RuntimeError)."""
+        if self.pins:
+            raise RuntimeError(f"compact: {len(self.pins)} pages are pinned by asynchronous copies")
         self.end_step()
-        live = [p for p in range(self.num_pages) if self.ref_count[p] > 0 or p in self.page_to_hash]
-        holes = [p for p in range(len(live)) if not (self.ref_count[p] > 0 or p in self.page_to_hash)]
+        live = [p for p in range(self.num_pages) if self._live(p)]
+        holes = [p for p in range(len(live)) if not self._live(p)]
         moves = list(zip([p for p in live if p >= len(live)], holes))
         if not moves:
             return []
@@ -259,6 +312,7 @@ class KVManager:
                 self.page_to_hash[dst], self.hash_to_page[h] = h, dst
         self.lru = OrderedDict((where.get(p, p), None) for p in self.lru)
         self.free_pages = list(range(self.num_pages - 1, len(live) - 1, -1))
+        self.high_water = len(live) - 1
         return moves
 
     # ---- checks (tests and debugging) -----------------------------------------------------------
@@ -267,6 +321,9 @@ class KVManager:
         for seq in self.owners.values():
             for p in seq.block_table:
                 held[p] += 1
+        for p, n in self.pins.items():
+            assert n > 0, f"page {p} listed with {n} pins"
+            held[p] += n
         assert held == self.ref_count, f"ref counts {self.ref_count} != block-table holds {held}"
         free, lru, deferred = set(self.free_pages), set(self.lru), set(self.deferred)
         assert len(free) == len(self.free_pages) and len(deferred) == len(self.deferred), "a page listed twice"
@@ -277,6 +334,8 @@ class KVManager:
             assert (p in free) == (not in_use and not cached and not held_back), f"page {p} free-list state wrong"
             assert (p in lru) == (not in_use and cached and not held_back), f"page {p} LRU state wrong"
         assert all(self.hash_to_page[h] == p for p, h in self.page_to_hash.items())
+        above = range(self.high_water + 1, self.num_pages)
+        assert not any(self.ref_count[p] or p in self.page_to_hash for p in above), "a live page above high_water"
         assert len(self.hash_to_page) == len(self.page_to_hash)
         cpu = self.cpu_free + self.cpu_pending_free + [c for t in self.cpu_tables.values() for c in t]
         assert sorted(cpu) == list(range(self.num_cpu_pages)), "a CPU page is leaked or held twice"

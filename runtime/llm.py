@@ -18,11 +18,13 @@ class LLM:
     TVM-CUDA kernels `uacompile build` makes for it, as for stories260K), kernel_backend ("auto" | "tvm-cpu" |
     "cuda" | "tvm-cuda" | "reference"), kernel_dir (prebuilt TVM-CUDA kernels: a `uacompile build --target cuda`
     folder), kv_cache_bytes, kv_cache_dtype ("auto": the model's dtype | "bf16" | "fp16": the model's too | "fp8_e4m3"
-    | "int8": 8-bit pages with float32 scales, about twice the pages for the same kv_cache_bytes or GPU budget), seed,
+    | "int8": 8-bit pages with float32 scales, about twice the pages for the same kv_cache_bytes or GPU budget),
+    cpu_offload_bytes (a CPU offload tier of KV pages in host memory, runtime/offload.py), seed,
     cpu_threads, log_stats_interval, gpu_memory_utilization, cuda_graphs,
     async_scheduling, progress, attention_variant. Everything else goes to SchedulerConfig (page_size, num_pages, num_cpu_pages,
     max_num_seqs, max_num_batched_tokens, max_prefill_chunk, policy, preemption, enable_prefix_caching,
-    max_model_len).
+    max_model_len, num_offload_pages, offload_watermark, offload_pages_per_step, compact_threshold,
+    compact_min_holes).
     """
 
     def __init__(self, model: str | Path, device: str = "cpu", **kwargs):

@@ -1,9 +1,16 @@
 """Continuous batching: one rule — each sequence's computed tokens catch up with its tokens, under a
 token budget, decodes first (chunked prefill falls out of it) — plus admission policies and preemption.
 
-A step: schedule() -> executor runs batch.swap_out, batch.swap_in, batch.copies, then the forward
-pass -> update(batch, sampled). Stop conditions other than max_tokens are the engine's: it calls
-finish(seq, reason).
+A step: schedule() -> executor runs batch.moves (compaction), batch.swap_out, batch.swap_in, batch.copies, launches
+batch.offload on its copy engine, then the forward pass -> update(batch, sampled). Stop conditions other than
+max_tokens are the engine's: it calls finish(seq, reason).
+
+With a CPU offload tier (num_offload_pages > 0, offload.py) each step also plans copies of running sequences' full
+pages into the tier, the likeliest victims first, once KV usage reaches offload_watermark; a preempted sequence's
+pages are freed at once (preemption "offload" is recompute preemption with the tier behind it), and an admitted
+sequence whose prefix continues in the tier past the GPU prefix cache is restored from it (RESTORING, not scheduled
+until its copy is done) instead of recomputed. Compaction runs at the start of a step when fragmentation
+(KVManager.fragmentation) reaches compact_threshold with at least compact_min_holes holes, and no copy is in flight.
 """
 from __future__ import annotations
 
@@ -12,10 +19,11 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from .kv_manager import KVManager
+from .offload import OffloadPlan, OffloadTier
 from .sequence import Sequence, SequenceStatus
 
 POLICIES = ("fcfs", "sjf", "priority", "prefix")
-PREEMPTION_MODES = ("recompute", "swap")
+PREEMPTION_MODES = ("recompute", "swap", "offload")
 _child_ids = itertools.count(1 << 40)
 log = logging.getLogger(__name__)  # ids for forked children, far from the engine's own counter
 
@@ -26,12 +34,18 @@ class SchedulerConfig:
     max_num_seqs: int = 32              # sequences running at once (and per step)
     max_prefill_chunk: int = 64         # most prompt tokens one sequence computes in one step
     policy: str = "fcfs"                # fcfs | sjf | priority | prefix
-    preemption: str = "recompute"       # recompute | swap (falls back to recompute if the pool is full)
+    preemption: str = "recompute"       # recompute | swap (falls back to recompute if the pool is full) | offload
+    #                                     (recompute of what the offload tier does not hold; needs num_offload_pages)
     num_pages: int = 512
-    num_cpu_pages: int = 256
+    num_cpu_pages: int = 256            # the swap pool
     page_size: int = 16
     enable_prefix_caching: bool = True
     max_model_len: int | None = None    # default: whatever num_pages can hold
+    num_offload_pages: int = 0          # the CPU offload tier's pages (0: no tier)
+    offload_watermark: float = 0.5      # KV usage from which running sequences' pages are saved to the tier
+    offload_pages_per_step: int = 64    # most pages a step saves
+    compact_threshold: float | None = 0.5  # fragmentation that triggers compaction (None: never)
+    compact_min_holes: int = 64         # ... with at least this many holes
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "num_pages", "page_size"):
@@ -46,6 +60,22 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        for name, lo in (("num_offload_pages", 0), ("offload_pages_per_step", 1), ("compact_min_holes", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if self.num_offload_pages and not self.enable_prefix_caching:
+            raise ValueError("the CPU offload tier (num_offload_pages > 0) keys pages by the prefix cache's hashes: "
+                             "it needs enable_prefix_caching=True")
+        if self.preemption == "offload" and not self.num_offload_pages:
+            raise ValueError("preemption='offload' needs a CPU offload tier: num_offload_pages > 0 "
+                             "(EngineConfig.cpu_offload_bytes)")
+        w = self.offload_watermark
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1:
+            raise ValueError(f"offload_watermark must be a number in [0, 1], got {w!r}")
+        t = self.compact_threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1):
+            raise ValueError(f"compact_threshold must be a number in (0, 1] or None, got {t!r}")
         capacity = self.num_pages * self.page_size
         if self.max_model_len is None:
             self.max_model_len = capacity
@@ -63,6 +93,8 @@ class ScheduledBatch:
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu page, device page)
     copies: list[tuple[int, int]] = field(default_factory=list)    # (src page, dst page)
     sample: list[bool] = field(default_factory=list)  # seq i reaches its last token: sample one
+    moves: list[tuple[int, int]] = field(default_factory=list)     # compaction (src page, dst page), run first
+    offload: OffloadPlan = field(default_factory=OffloadPlan)      # copies to and from the CPU offload tier
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +102,7 @@ class ScheduledBatch:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.seqs or self.swap_out or self.swap_in or self.copies)
+        return not (self.seqs or self.swap_out or self.swap_in or self.copies or self.moves or self.offload)
 
 
 class Scheduler:
@@ -80,13 +112,20 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
+        self.restoring: list[Sequence] = []  # admitted, their prefix on its way from the offload tier
         self.parked: dict[int, list[Sequence]] = {}  # parent seq_id -> children waiting for its prompt
+        self.tier = OffloadTier(config.num_offload_pages) if config.num_offload_pages else None
         self.num_preemptions = 0
         self.num_swap_outs = 0  # preemptions that went to the CPU pool (the rest recomputed)
+        self.num_compactions = 0
+        self.fragmentation = (0.0, 0)  # KVManager.fragmentation() when compaction last looked
+        self.pages_compacted = 0
+        self.recomputed_tokens = 0  # tokens computed again after a recompute preemption
+        self.lost: dict[int, int] = {}  # seq_id -> tokens it had computed when preempted by recompute
 
     # ---- requests -------------------------------------------------------------------------------
     def _all(self):
-        return itertools.chain(self.waiting, self.running, self.swapped, *self.parked.values())
+        return itertools.chain(self.waiting, self.running, self.swapped, self.restoring, *self.parked.values())
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request; ValueError if it could never run to max_tokens."""
@@ -134,9 +173,12 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str = "stop") -> None:
         if seq.status is SequenceStatus.FINISHED:
             return
-        for queue in (self.waiting, self.running, self.swapped):
+        for queue in (self.waiting, self.running, self.swapped, self.restoring):
             if seq in queue:
                 queue.remove(seq)
+        self.lost.pop(seq.seq_id, None)
+        if self.tier is not None:
+            self.tier.forget(seq.seq_id)
         for children in self.parked.values():
             if seq in children:
                 children.remove(seq)
@@ -152,7 +194,7 @@ class Scheduler:
         return seq
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or any(self.parked.values()))
+        return bool(self.waiting or self.running or self.swapped or self.restoring or any(self.parked.values()))
 
     # ---- ordering -------------------------------------------------------------------------------
     def _key(self, seq: Sequence):
@@ -176,15 +218,23 @@ class Scheduler:
         P = self.config.page_size
         return tuple(seq.token_ids[:P]) if seq.num_prompt_tokens > P else None
 
+    @staticmethod
+    def _victim_key(seq: Sequence):
+        return (seq.priority, seq.arrival_time, seq.seq_id)
+
     def _victim(self, candidates: list[Sequence]) -> Sequence:
         """Least important first: lowest priority (largest number), then latest arrival."""
-        return max(candidates, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
+        return max(candidates, key=self._victim_key)
 
     # ---- the step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         c, kv, batch = self.config, self.kv, ScheduledBatch()
         kv.end_step()  # the previous step ran (idempotent: update() already said so)
         budget = c.max_num_batched_tokens
+        if self.tier is not None:
+            self._restored(self.tier.poll(kv))
+        batch.moves = self._maybe_compact()
+        restoring = []  # sequences this step starts restoring
 
         def take(seq, num_new, copies):
             nonlocal budget
@@ -214,7 +264,7 @@ class Scheduler:
                 take(seq, num_new, copies)
 
         # 2. swapped sequences come back before any new prefill
-        while self.swapped and not preempted and budget and len(self.running) < c.max_num_seqs:
+        while self.swapped and not preempted and budget and self._num_active() < c.max_num_seqs:
             seq = min(self.swapped, key=self._key)
             mapping = kv.swap_in(seq)
             if mapping is None:
@@ -232,28 +282,92 @@ class Scheduler:
         if not self.swapped and not preempted:
             prefilling = {self._group(s) for s in self.running if s.num_computed_tokens < s.num_prompt_tokens}
             for seq in self.ordered_waiting():
-                if budget == 0 or len(self.running) >= c.max_num_seqs or len(batch.seqs) >= c.max_num_seqs:
+                if budget == 0 or self._num_active() >= c.max_num_seqs or len(batch.seqs) >= c.max_num_seqs:
                     break
                 group = self._group(seq)
                 if c.policy == "prefix" and group is not None and group in prefilling:
                     continue  # its shared prefix is being computed: join next step and hit the cache
                 prefix = kv.match_prefix(seq)
+                from_tier = self._tier_match(seq, len(prefix))
+                if from_tier:  # the prefix continues in the offload tier: restore it, compute nothing yet
+                    if kv.allocate_slots(seq, len(from_tier) * c.page_size, prefix) is None:
+                        break
+                    self.tier.plan_restore(kv, from_tier, seq.block_table[len(prefix):], batch.offload)
+                    self._admitted(seq, len(prefix) * c.page_size, len(from_tier) * c.page_size)
+                    seq.status = SequenceStatus.RESTORING
+                    self.restoring.append(seq)
+                    restoring.append(seq)
+                    log.info("restoring sequence %d: %d pages from the offload tier", seq.seq_id, len(from_tier))
+                    continue
                 num_cached = len(prefix) * c.page_size
                 num_new = min(seq.num_tokens - num_cached, budget, c.max_prefill_chunk)
                 copies = kv.allocate_slots(seq, num_new, prefix)
                 if copies is None:
                     break  # head of line waits for pages; later arrivals do not jump it
-                kv.prefix_query_tokens += seq.num_tokens
-                kv.prefix_hit_tokens += num_cached
-                seq.num_computed_tokens = num_cached
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = num_cached
-                self.waiting.remove(seq)
+                self._admitted(seq, num_cached, 0)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 prefilling.add(group)
                 take(seq, num_new, copies)
+
+        # 4. the offload tier: save the likeliest victims' pages ahead of memory pressure
+        if self.tier is not None:
+            saved = []
+            if kv.usage >= c.offload_watermark:
+                order = sorted(self.running, key=self._victim_key, reverse=True)
+                saved = self.tier.plan_saves(kv, order, c.offload_pages_per_step, batch.offload)
+            self.tier.launched(batch.offload, saved, restoring)
+            if batch.is_empty and self.tier.busy and self.has_unfinished():
+                # nothing runs until copies land (a restore, or saves whose pins hold the pages): wait for them
+                self._restored(self.tier.wait_oldest(kv))
+                return self.schedule()
         return batch
+
+    def _num_active(self) -> int:
+        return len(self.running) + len(self.restoring)
+
+    def _tier_match(self, seq: Sequence, num_gpu_pages: int) -> list[int]:
+        """Tier pages continuing seq's prefix after its num_gpu_pages pages in the GPU prefix cache."""
+        if self.tier is None:
+            return []
+        return self.tier.match(self.kv.prefix_hashes(seq)[num_gpu_pages:])
+
+    def _admitted(self, seq: Sequence, gpu_tokens: int, tier_tokens: int) -> None:
+        kv = self.kv
+        kv.prefix_query_tokens += seq.num_tokens
+        kv.prefix_hit_tokens += gpu_tokens
+        if self.tier is not None:
+            self.tier.stats.hit_tokens += tier_tokens
+        seq.num_computed_tokens = gpu_tokens + tier_tokens
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self.recomputed_tokens += max(0, self.lost.pop(seq.seq_id, 0) - seq.num_computed_tokens)
+        self.waiting.remove(seq)
+
+    def _restored(self, seqs: list[Sequence]) -> None:
+        """Restores that landed: their sequences run from the next step on (aborted ones are gone)."""
+        for seq in seqs:
+            if seq.status is SequenceStatus.RESTORING:
+                self.restoring.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                self.kv.register_full_pages(seq)
+
+    def _maybe_compact(self) -> list[tuple[int, int]]:
+        c, kv = self.config, self.kv
+        if c.compact_threshold is None or (self.tier is not None and self.tier.busy) or kv.pins:
+            return []
+        if len(kv.free_pages) + len(kv.deferred) < c.compact_min_holes:
+            return []  # too few empty pages for that many holes
+        share, holes = self.fragmentation = kv.fragmentation()
+        if share < c.compact_threshold or holes < c.compact_min_holes:
+            return []
+        moves = kv.compact()
+        self.num_compactions += 1
+        self.pages_compacted += len(moves)
+        self.fragmentation = (0.0, 0)
+        log.info("compacted the KV cache: fragmentation %.2f (%d holes), %d pages moved", share, holes, len(moves))
+        return moves
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
@@ -267,9 +381,12 @@ class Scheduler:
             log.info("preempted sequence %d by swap: %d pages to the CPU pool (%d preemptions so far)",
                      seq.seq_id, len(mapping), self.num_preemptions)
         else:
-            log.info("preempted sequence %d by recompute: %d tokens to compute again (%d preemptions so far)",
+            log.info("preempted sequence %d by recompute: its %d computed tokens freed (%d preemptions so far)",
                      seq.seq_id, seq.num_computed_tokens, self.num_preemptions)
+            if self.tier is not None:  # what the tier holds of it is what it comes back with: keep it longest
+                self.tier.touch(self.kv.computed_page_hashes(seq))
             self.kv.free(seq)
+            self.lost[seq.seq_id] = seq.num_computed_tokens
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.append(seq)
@@ -295,16 +412,35 @@ class Scheduler:
             if seq.num_output_tokens >= seq.params.max_tokens:
                 self.finish(seq, "length")
                 finished.append(seq)
+        if self.tier is not None:  # copies done by now give their pins back (all of them, on the CPU)
+            self._restored(self.tier.poll(self.kv))
         return finished
 
     # ---- maintenance ----------------------------------------------------------------------------
     def compact(self) -> ScheduledBatch:
-        """A batch with no tokens whose copies pack the used pages to the front of the cache."""
-        return ScheduledBatch(copies=self.kv.compact())
+        """A batch with no tokens whose moves pack the used pages to the front of the cache (what schedule() does
+        by itself past compact_threshold); nothing while copies to or from the offload tier are in flight."""
+        if self.tier is not None and self.tier.busy:
+            return ScheduledBatch()
+        moves = self.kv.compact()
+        self.num_compactions += 1
+        self.pages_compacted += len(moves)
+        return ScheduledBatch(moves=moves)
 
     def stats(self) -> dict:
-        kv = self.kv
+        kv, tier = self.kv, self.tier.stats if self.tier is not None else None
+        cpu_hits = tier.hit_tokens if tier else 0
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
-                "num_swapped": len(self.swapped), "kv_usage": kv.usage, "num_preemptions": self.num_preemptions,
-                "num_swap_outs": self.num_swap_outs,
-                "prefix_hit_rate": kv.prefix_hit_tokens / max(1, kv.prefix_query_tokens)}
+                "num_swapped": len(self.swapped), "num_restoring": len(self.restoring), "kv_usage": kv.usage,
+                "num_preemptions": self.num_preemptions, "num_swap_outs": self.num_swap_outs,
+                "recomputed_tokens": self.recomputed_tokens,
+                "prefix_hit_rate": (kv.prefix_hit_tokens + cpu_hits) / max(1, kv.prefix_query_tokens),
+                "prefix_hits_gpu": kv.prefix_hit_tokens, "prefix_hits_cpu": cpu_hits,
+                "pages_offloaded": tier.pages_offloaded if tier else 0,
+                "pages_restored": tier.pages_restored if tier else 0,
+                "offload_pages_evicted": tier.pages_evicted if tier else 0,
+                "offload_pages_not_saved": tier.pages_not_saved if tier else 0,
+                "offload_pages_not_ready": tier.pages_not_ready if tier else 0,
+                "offload_pages_used": self.tier.num_used if tier else 0,
+                "num_compactions": self.num_compactions, "pages_compacted": self.pages_compacted,
+                "fragmentation": self.fragmentation[0]}

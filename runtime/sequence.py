@@ -10,6 +10,7 @@ class SequenceStatus(enum.Enum):
     WAITING = enum.auto()   # not yet admitted, or preempted by recompute
     RUNNING = enum.auto()   # holds device pages
     SWAPPED = enum.auto()   # its pages live in the CPU swap pool
+    RESTORING = enum.auto()  # admitted; its prefix is being copied back from the CPU offload tier
     FINISHED = enum.auto()
 
 

@@ -186,6 +186,24 @@ class ServerMetrics:
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s["prefix_queries"])
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s["prefix_hits"])
         yield counter("vllm:num_preemptions", "Preemptions", s["num_preemptions"])
+        by_tier = CounterMetricFamily("uacompile:prefix_cache_hits_by_tier",
+                                      "Prompt tokens found in the prefix cache, by tier (gpu, cpu: the offload tier)",
+                                      labels=["model_name", "tier"])
+        by_tier.add_metric([self.model_name, "gpu"], s["prefix_hits_gpu"])
+        by_tier.add_metric([self.model_name, "cpu"], s["prefix_hits_cpu"])
+        yield by_tier
+        yield counter("uacompile:kv_pages_offloaded", "KV pages copied to the CPU offload tier", s["pages_offloaded"])
+        yield counter("uacompile:kv_pages_restored", "KV pages restored from the CPU offload tier", s["pages_restored"])
+        yield counter("uacompile:recomputed_tokens", "Tokens computed again after a preemption", s["recomputed_tokens"])
+        yield counter("uacompile:offload_pages_evicted", "Offload tier entries evicted to make room",
+                      s["offload_pages_evicted"])
+        yield counter("uacompile:offload_pages_not_saved", "Pages the offload tier had no room for (recomputed)",
+                      s["offload_pages_not_saved"])
+        yield counter("uacompile:offload_pages_not_ready", "Tier lookups stopped at a copy not finished (recomputed)",
+                      s["offload_pages_not_ready"])
+        yield gauge("uacompile:offload_pages_used", "CPU offload tier pages holding KV", s["offload_pages_used"])
+        yield counter("uacompile:kv_compactions", "KV-cache compactions", s["num_compactions"])
+        yield gauge("uacompile:kv_fragmentation", "1 - live pages / (highest live page + 1)", s["fragmentation"])
         yield counter("vllm:prompt_tokens", "Prompt tokens admitted", c["prompt_tokens"])
         yield counter("vllm:generation_tokens", "Tokens generated", c["generation_tokens"])
         done = CounterMetricFamily("vllm:request_success", "Finished samples by reason",

@@ -188,6 +188,17 @@ def test_serve_kv_cache_dtype_reaches_the_engine_options(monkeypatch, capsys):
     assert "invalid choice: 'int4'" in capsys.readouterr().err
 
 
+def test_serve_cpu_offload_gb_arrives_as_cpu_offload_bytes(monkeypatch):
+    import uacompile.runtime.server as server
+    from uacompile.runtime.llm import ENGINE_OPTIONS
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda **kw: seen.update(kw))
+    assert main(["serve", "--model", "m.gguf", "--cpu-offload-gb", "1.5", "--preemption", "offload"]) == 0
+    assert seen["cpu_offload_bytes"] == 1_500_000_000 and seen["preemption"] == "offload"
+    assert "cpu_offload_gb" not in seen and "cpu_offload_bytes" in ENGINE_OPTIONS
+
+
 def test_generate_ascend_writes_the_ascendc_project(tmp_path, capsys):
     assert main(["generate", "--op", "paged_attention", "--target", "ascend", *PA8, "--out", str(tmp_path)]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())

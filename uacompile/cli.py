@@ -234,6 +234,8 @@ def cmd_serve(args) -> int:
     from .runtime.server import serve
 
     kw = {k: v for k, v in vars(args).items() if k not in ("func", "command", "debug") and v is not None}
+    if "cpu_offload_gb" in kw:
+        kw["cpu_offload_bytes"] = int(kw.pop("cpu_offload_gb") * 1e9)
     serve(**kw)
     return 0
 
@@ -302,7 +304,10 @@ def _add_serve(sub) -> None:
     s.add_argument("--page-size", type=int, default=None, help="KV positions a page (default 16)")
     s.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from memory)")
     s.add_argument("--policy", default=None, help="fcfs | sjf | priority | prefix")
-    s.add_argument("--preemption", default=None, help="recompute | swap")
+    s.add_argument("--preemption", default=None, help="recompute | swap | offload (needs --cpu-offload-gb)")
+    s.add_argument("--cpu-offload-gb", type=float, default=None,
+                   help="a CPU offload tier of KV pages in this many GB (1e9 bytes) of host memory (pinned on CUDA): "
+                        "preempted sequences and evicted prefixes come back from it instead of being recomputed")
     s.add_argument("--kernel-backend", default=None, help="auto | tvm-cpu | cuda | reference")
     s.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="model dtype (default: float32 on the CPU, the checkpoint's 16-bit type on CUDA)")
     s.add_argument("--quantization", default=None, choices=["auto", "none", "fp8", "q8_0"],

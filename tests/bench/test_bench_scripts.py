@@ -392,3 +392,55 @@ def test_cpu_single_stream_runs_on_stories260k(tmp_path):
     assert row["threads"] == 1 and row["decode_tok_s"] > 0 and row["decode_tokens"] == 256
     assert res["llama_cpp"]["source"].startswith("recorded") and "| stories260K | 1 |" in r.stdout
     assert "| stories260K | 1 |" in out.with_suffix(".md").read_text()
+
+
+def test_kv_memory_benchmark_runs_end_to_end_on_a_toy_model(tmp_path):
+    """bench/kv_memory.py on the CPU with --tiny: the capacity rows of each KV dtype and the preemption rows, with the
+    JSON fields the issue names, the table, the targets and the plot; --append merges a second run's rows."""
+    res = subprocess.run([sys.executable, str(BENCH / "kv_memory.py"), "--tiny", "--device", "cpu", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    meta = json.loads(next(tmp_path.glob("kv-memory-*.json")).read_text())
+    assert {"gpu", "date", "model", "rows"} <= set(meta) and "--tiny --device cpu' bash" in meta["command"]
+    rows = meta["rows"]
+    assert [(r["kv_cache_dtype"], r["preemption"]) for r in rows] == [
+        ("fp32", "recompute"), ("fp8_e4m3", "recompute"), ("int8", "recompute"), ("fp32", "swap"), ("fp32", "offload")]
+    for r in rows:
+        for k in ("workload", "kv_cache_dtype", "preemption", "kv_gb", "max_seqs_no_preemption", "output_tok_s",
+                  "ttft_p99_s", "preemptions", "recomputed_tokens"):
+            assert r[k] is not None, (k, r)
+        assert r["output_tok_s"] > 0 and r["ttft_p99_s"] > 0 and r["workload"] == "32x64"
+    by = {(r["kv_cache_dtype"], r["preemption"]): r for r in rows}
+    assert by[("fp32", "recompute")]["pool_share"] == pytest.approx(1 / 3, abs=0.01)
+    assert by[("fp32", "recompute")]["preemptions"] > 0 and by[("fp32", "swap")]["swap_outs"] > 0
+    assert by[("int8", "recompute")]["max_seqs_no_preemption"] > 2 * by[("fp32", "recompute")]["max_seqs_no_preemption"]
+    assert by[("fp32", "offload")]["pages_offloaded"] > 0
+    names = {c["target"] for c in meta["targets"]}
+    assert "bf16: int8 sequences held / bf16's >= 1.9" in names
+    assert any(n.endswith("output tok/s / recompute's >= 1.2") for n in names)
+    md = next(tmp_path.glob("kv-memory-*.md")).read_text()
+    assert md.count("| 32x64 |") == 5 and "## Targets" in md
+    if importlib.util.find_spec("matplotlib"):
+        assert next(tmp_path.glob("kv-memory-*.png")).stat().st_size > 10_000
+    res = subprocess.run([sys.executable, str(BENCH / "kv_memory.py"), "--tiny", "--device", "cpu", "--out",
+                          str(tmp_path), "--kv", "int8", "--preemptions", "offload", "--offload-pages-per-step", "512",
+                          "--append"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    merged = json.loads(next(tmp_path.glob("kv-memory-*.json")).read_text())["rows"]
+    assert len(merged) == 6 and merged[-1]["offload_pages_per_step"] == 32  # int8 recompute replaced, one added
+
+
+def test_kv_memory_targets_come_from_the_rows(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    km = importlib.import_module("kv_memory")
+    base = dict(weights="bf16", max_seqs_no_preemption=10, output_tok_s=100.0, recomputed_tokens=1000,
+                offload_pages_per_step=None)
+    rows = [dict(base, kv_cache_dtype="bf16", preemption="recompute"),
+            dict(base, kv_cache_dtype="int8", preemption="recompute", max_seqs_no_preemption=19, output_tok_s=160.0),
+            dict(base, kv_cache_dtype="bf16", preemption="offload", recomputed_tokens=50, output_tok_s=110.0,
+                 offload_pages_per_step=256)]
+    got = {c["target"]: (c["value"], c["met"]) for c in km.target_checks(rows)}
+    assert got == {"bf16: int8 sequences held / bf16's >= 1.9": (1.9, True),
+                   "bf16: int8 output tok/s under pressure / bf16's >= 1.5": (1.6, True),
+                   "bf16 bf16 offload (256 pages/step): recomputed tokens cut vs recompute >= 90%": (0.95, True),
+                   "bf16 bf16 offload (256 pages/step): output tok/s / recompute's >= 1.2": (1.1, False)}

@@ -1,7 +1,7 @@
 """engine.py on stories260K. Its async scheduling (the logic is the device's; on the CPU it runs the same code): the
 same requests give the same outputs with it on and off, through stop strings, stop tokens, EOS, max_tokens,
-n > 1, log-probabilities, penalties (whose steps wait), preemption by recompute and swap, the prefix cache,
-chunked prefill and aborts; and each step does go out before the previous step's ids are read. Its
+n > 1, log-probabilities, penalties (whose steps wait), preemption by recompute, swap and offload, the prefix
+cache, compaction, chunked prefill and aborts; and each step does go out before the previous step's ids are read. Its
 kv_cache_dtype (at the end): 8-bit caches keep most of the 16-bit cache's greedy tokens, bad values are one line."""
 from dataclasses import replace
 
@@ -30,6 +30,10 @@ SETUPS = {
     "recompute": dict(page_size=4, num_pages=28, max_model_len=96),
     "swap": dict(page_size=4, num_pages=28, num_cpu_pages=64, preemption="swap", max_model_len=96),
     "prefix-chunked": dict(page_size=4, max_prefill_chunk=7, max_num_batched_tokens=16),
+    "offload": dict(page_size=4, num_pages=28, num_offload_pages=64, preemption="offload", offload_watermark=0,
+                    max_model_len=96),
+    "compact": dict(page_size=4, num_pages=64, max_num_batched_tokens=16, compact_threshold=0.05,
+                    compact_min_holes=1),
 }
 
 
@@ -77,8 +81,12 @@ def test_async_scheduling_gives_what_sync_gives(setup):
     llm = LLM(STORIES260K, async_scheduling=True, **kw)
     assert outputs(llm, overlapped) == sync
     assert sum(overlapped) > len(overlapped) // 2  # most steps went out before the previous ids were read
-    if setup in ("recompute", "swap"):
+    if setup in ("recompute", "swap", "offload"):
         assert llm.engine.scheduler.num_preemptions > 0
+    if setup == "offload":
+        assert llm.engine.scheduler.stats()["pages_offloaded"] > 0
+    if setup == "compact":
+        assert llm.engine.scheduler.num_compactions > 0
     if setup == "prefix-chunked":
         assert llm.engine.scheduler.stats()["prefix_hit_rate"] > 0
     finished = [o for req in sync for o in req]

@@ -1,7 +1,7 @@
 """executor.py's 8-bit KV cache on stories260K (tvm-cpu): the scales live beside the pages, [num_layers, 2, pages, P,
 Hkv] float32 on the device and in the swap pool, and go wherever a page goes: copy-on-write for n > 1 samples, swap
-preemption out to the host pool and back, and prefix-cache sharing (a shared page is one page id, so its scales are
-shared with it). Each check spies on the backend's page moves and compares the scales after the move, then checks
+preemption out to the host pool and back, saves to the CPU offload tier and restores from it, compaction, and
+prefix-cache sharing (a shared page is one page id, so its scales are shared with it). Each check spies on the backend's page moves and compares the scales after the move, then checks
 the tokens against an engine where the move never happens."""
 import pytest
 import torch
@@ -124,4 +124,34 @@ def test_prefix_cache_pages_carry_their_scales(kv):
     got.append(llm.generate([shared + tails[1]], GREEDY)[0].outputs[0].token_ids)
     assert eng.scheduler.kv.prefix_hit_tokens > 0
     assert torch.equal(eng.executor.scales[:, :, cached], before)  # attended, never rewritten
+    assert got == want
+
+
+@pytest.mark.parametrize("kv", QUANT)
+def test_the_offload_tier_keeps_the_scales_beside_its_pages(kv):
+    """Running sequences' pages are saved to the offload tier (its own scales tensor) and restored after their
+    preemption, scales with them, and give the tokens of a pool with room for all."""
+    want = tokens(make(kv, num_pages=256).generate(PROMPTS, GREEDY))
+    llm = make(kv, num_pages=24, max_model_len=96, preemption="offload", num_offload_pages=96, offload_watermark=0)
+    ex, cfg = llm.engine.executor, llm.engine.model.cfg
+    assert ex.offload_kv.shape == (cfg.num_layers, 2, 96, 4, cfg.num_kv_heads, cfg.head_dim)
+    assert ex.offload_scales.shape == (cfg.num_layers, 2, 96, 4, cfg.num_kv_heads)
+    checks = spy_moves(llm, "swap_blocks")
+    got = tokens(llm.generate(PROMPTS, GREEDY))
+    st = llm.engine.scheduler.stats()
+    assert st["num_preemptions"] > 0 and st["pages_offloaded"] > 0 and st["pages_restored"] > 0
+    assert len(checks) >= 2 and all(all(c) for c in checks), checks
+    assert got == want
+
+
+@pytest.mark.parametrize("kv", QUANT)
+def test_compaction_moves_the_scales_with_the_pages(kv):
+    """Past a fragmentation of 0.05 the cache is compacted between steps (copy_blocks), scales with the pages; the
+    tokens are those of an engine that never compacts."""
+    kw = dict(num_pages=64, max_num_batched_tokens=16, max_prefill_chunk=16)
+    want = tokens(make(kv, compact_threshold=None, **kw).generate(PROMPTS, GREEDY))
+    llm = make(kv, compact_threshold=0.05, compact_min_holes=1, **kw)
+    checks = spy_moves(llm, "copy_blocks")
+    got = tokens(llm.generate(PROMPTS, GREEDY))
+    assert llm.engine.scheduler.num_compactions > 0 and checks and all(all(c) for c in checks), checks
     assert got == want

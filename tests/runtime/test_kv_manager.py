@@ -307,3 +307,53 @@ def test_a_freed_copy_source_is_not_reused_in_the_same_step():
     kv.end_step()
     assert kv.num_free_pages == 2 and kv.allocate_slots(c, 3) is not None
     kv.check_invariants()
+
+
+def test_a_pinned_page_outlives_its_sequence_until_unpinned():
+    kv = KVManager(num_pages=3, page_size=2)
+    a = _filled(kv, 0, [1, 2, 3])          # pages 0 (full, registered) and 1
+    kv.pin(a.block_table[0])
+    kv.free(a)
+    assert kv.num_free_pages == 2 and kv.ref_count[0] == 1 and 0 not in kv.lru
+    assert kv.match_prefix(make_seq(1, [1, 2, 9])) == [0]  # still registered: readable, never handed out
+    with pytest.raises(RuntimeError, match="pinned by asynchronous copies"):
+        kv.compact()
+    kv.check_invariants()
+    kv.unpin(0)
+    assert list(kv.lru) == [0] and not kv.pins
+    with pytest.raises(RuntimeError, match="unpinned but not pinned"):
+        kv.unpin(0)
+    with pytest.raises(RuntimeError, match="pinned while not held"):
+        kv.pin(2)
+    kv.check_invariants()
+
+
+def test_fragmentation_is_the_share_of_holes_below_the_highest_live_page():
+    kv = KVManager(num_pages=8, page_size=2, enable_prefix_caching=False)
+    assert kv.fragmentation() == (0.0, 0)
+    seqs = [_filled(kv, i, [i + 1] * 2) for i in range(4)]  # pages 0..3
+    assert kv.fragmentation() == (0.0, 0)
+    kv.release(seqs[0]), kv.release(seqs[2])
+    assert kv.fragmentation() == (0.5, 2)  # pages 0 and 2 empty below page 3
+    moves = kv.compact()
+    assert sorted(d for _, d in moves) == [0] and kv.fragmentation() == (0.0, 0)
+    kv.check_invariants()
+
+
+def test_fragmentation_agrees_with_a_scan_of_every_page(rng):
+    kv = KVManager(num_pages=64, page_size=2)
+    seqs = {}
+    for step in range(400):
+        if seqs and rng.random() < 0.45:
+            kv.release(seqs.pop(int(rng.choice(list(seqs)))))
+        else:
+            toks = rng.integers(1, 4, int(rng.integers(1, 9))).tolist()
+            if kv.num_free_pages >= kv.pages_for(len(toks)):
+                seqs[step] = _filled(kv, step, toks)
+        if rng.random() < 0.05:
+            kv.compact()
+        live = [p for p in range(64) if kv.ref_count[p] or p in kv.page_to_hash]
+        want = (0.0, 0) if not live else (1 - len(live) / (live[-1] + 1), live[-1] + 1 - len(live))
+        got = kv.fragmentation()
+        assert got[1] == want[1] and got[0] == pytest.approx(want[0]), step
+        kv.check_invariants()

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from uacompile.runtime.offload import SyncCopies
 from uacompile.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from uacompile.runtime.sequence import SamplingParams, Sequence, SequenceStatus
 
@@ -34,12 +35,31 @@ def reference_output(prompt, params) -> list[int]:
 
 
 class FakeExecutor:
-    def __init__(self, cfg: SchedulerConfig):
+    """copies: the offload tier's copy engine (offload.SyncCopies: at once); its launch moves the fake KV when it
+    runs, so a copy held back reads and writes pages as they are when it is released."""
+
+    def __init__(self, cfg: SchedulerConfig, copies=None):
         self.P = cfg.page_size
         self.dev = np.full((cfg.num_pages, cfg.page_size), POISON, np.int64)
         self.cpu = np.full((max(cfg.num_cpu_pages, 1), cfg.page_size), POISON, np.int64)
+        self.tier = np.full((max(cfg.num_offload_pages, 1), cfg.page_size), POISON, np.int64)
+        self.copies = copies or SyncCopies()
+
+    def launch_offload(self, plan):
+        def launch():
+            for d, t in plan.save:
+                self.tier[t] = self.dev[d]
+            for t, d in plan.restore:
+                self.dev[d] = self.tier[t]
+
+        plan.ticket = self.copies.submit(launch)
 
     def execute(self, batch: ScheduledBatch) -> dict[int, int]:
+        if batch.moves:  # compaction: its own copy_blocks launch, before everything else
+            src, dst = np.array(batch.moves).T
+            assert not set(src) & set(dst)
+            self.dev[dst] = self.dev[src]
+            self.dev[src] = POISON
         for d, c in batch.swap_out:
             self.cpu[c] = self.dev[d]
         for c, d in batch.swap_in:
@@ -48,6 +68,8 @@ class FakeExecutor:
             src, dst = np.array(batch.copies).T
             assert not set(src) & set(dst)
             self.dev[dst] = self.dev[src]
+        if batch.offload:
+            self.launch_offload(batch.offload)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):  # reshape_and_cache for the whole batch
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 self.dev[seq.block_table[pos // self.P], pos % self.P] = slot_value(seq.token_ids[:pos + 1])
@@ -61,11 +83,11 @@ class FakeExecutor:
         return sampled
 
 
-def run(cfg: SchedulerConfig, requests, max_steps=5000, abort_rng=None):
+def run(cfg: SchedulerConfig, requests, max_steps=5000, abort_rng=None, copies=None):
     """requests: (prompt, SamplingParams, priority). Drives the scheduler like the engine does (with
-    abort_rng: aborts a random live sequence now and then); returns ({request index: [outputs of its
-    n samples]}, scheduler, batches seen)."""
-    sched, ex = Scheduler(cfg), FakeExecutor(cfg)
+    abort_rng: aborts a random live sequence now and then; copies: the offload tier's copy engine); returns
+    ({request index: [outputs of its n samples]}, scheduler, batches seen)."""
+    sched, ex = Scheduler(cfg), FakeExecutor(cfg, copies)
     groups = []
     for i, (prompt, params, prio) in enumerate(requests):
         seq = Sequence(i, list(prompt), len(prompt), params, priority=prio)
@@ -87,9 +109,14 @@ def run(cfg: SchedulerConfig, requests, max_steps=5000, abort_rng=None):
         if abort_rng is not None and live and abort_rng.random() < 0.1:
             sched.abort(live[abort_rng.integers(len(live))].seq_id)
         sched.kv.check_invariants()
+        if sched.tier is not None:
+            sched.tier.check_invariants()
         batches += 1
         assert batches < max_steps, "no progress"
+    while sched.tier is not None and sched.tier.busy:  # copies still held back: they land, their pins go
+        sched.tier.wait_oldest(sched.kv)
     assert sched.kv.num_free_pages == cfg.num_pages and not sched.kv.owners and not sched.kv.cpu_tables
+    assert not sched.kv.pins
     return {i: [s.output_token_ids for s in g] for i, g in enumerate(groups)}, sched, batches
 
 
@@ -144,6 +171,15 @@ CONFIGS = {
     "priority": dict(num_pages=20, page_size=4, policy="priority", preemption="swap"),
     "prefix": dict(num_pages=20, page_size=4, policy="prefix"),
     "one-seq": dict(num_pages=64, page_size=4, max_num_seqs=1),
+    "offload-tight": dict(num_pages=14, page_size=4, preemption="offload", num_offload_pages=64, offload_watermark=0),
+    "offload-tier-too-small": dict(num_pages=14, page_size=4, preemption="offload", num_offload_pages=3,
+                                   offload_watermark=0, offload_pages_per_step=2),
+    "swap-and-tier-tight": dict(num_pages=14, page_size=4, preemption="swap", num_cpu_pages=64,
+                                num_offload_pages=16, offload_watermark=0.3),
+    "compact": dict(num_pages=40, page_size=2, compact_threshold=0.1, compact_min_holes=1, enable_prefix_caching=False),
+    "compact-cached": dict(num_pages=40, page_size=2, compact_threshold=0.05, compact_min_holes=1),
+    "compact-offload-tight": dict(num_pages=28, page_size=2, preemption="offload", num_offload_pages=64,
+                                  offload_watermark=0.5, compact_threshold=0.1, compact_min_holes=1),
 }
 
 
@@ -155,7 +191,7 @@ def test_generation_matches_one_at_a_time_reference(name, rng):
     assert got == expected(reqs)
     if "tight" in name or "small" in name:
         assert sched.num_preemptions > 0, "the tight config should have preempted"
-    if cfg.preemption == "recompute":
+    if cfg.preemption in ("recompute", "offload"):
         assert sched.num_swap_outs == 0
     elif name == "swap-pool-too-small":
         assert 0 < sched.num_swap_outs < sched.num_preemptions, "expected both swaps and recompute fallbacks"
@@ -163,18 +199,35 @@ def test_generation_matches_one_at_a_time_reference(name, rng):
         assert sched.num_swap_outs == sched.num_preemptions
     if cfg.enable_prefix_caching and name == "roomy":
         assert sched.kv.prefix_hit_tokens > 0
+    st = sched.stats()
+    if name.startswith("offload-tight") or name == "compact-offload-tight":
+        assert st["pages_offloaded"] > 0
+        assert st["pages_restored"] > 0 and st["prefix_hits_cpu"] > 0
+    if name == "offload-tier-too-small":
+        assert st["offload_pages_evicted"] > 0 and st["recomputed_tokens"] > 0
+    if name.startswith("compact"):
+        assert st["num_compactions"] > 0 and st["pages_compacted"] > 0
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), budget=st.integers(1, 40), max_seqs=st.integers(1, 6),
        chunk=st.integers(1, 20), policy=st.sampled_from(["fcfs", "sjf", "priority", "prefix"]),
-       preemption=st.sampled_from(["recompute", "swap"]), page_size=st.sampled_from([1, 2, 4, 8]),
-       num_pages=st.integers(6, 24), num_cpu_pages=st.integers(0, 24), caching=st.booleans())
+       preemption=st.sampled_from(["recompute", "swap", "offload"]), page_size=st.sampled_from([1, 2, 4, 8]),
+       num_pages=st.integers(6, 24), num_cpu_pages=st.integers(0, 24), caching=st.booleans(),
+       num_offload_pages=st.integers(0, 24), watermark=st.sampled_from([0.0, 0.5, 1.0]),
+       compact=st.sampled_from([None, 0.1, 0.5]))
 def test_random_workloads_finish_and_match_reference(seed, budget, max_seqs, chunk, policy, preemption, page_size,
-                                                     num_pages, num_cpu_pages, caching):
+                                                     num_pages, num_cpu_pages, caching, num_offload_pages, watermark,
+                                                     compact):
+    if preemption == "offload":
+        num_offload_pages = max(1, num_offload_pages)
+    if not caching:  # the tier keys pages by the prefix cache's hashes
+        num_offload_pages, preemption = 0, "recompute" if preemption == "offload" else preemption
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_prefill_chunk=chunk,
                           policy=policy, preemption=preemption, num_pages=num_pages, num_cpu_pages=num_cpu_pages,
-                          page_size=page_size, enable_prefix_caching=caching)
+                          page_size=page_size, enable_prefix_caching=caching, num_offload_pages=num_offload_pages,
+                          offload_watermark=watermark, offload_pages_per_step=4, compact_threshold=compact,
+                          compact_min_holes=1)
     rng = np.random.default_rng(seed)
     reqs = [r for r in workload(rng, int(rng.integers(1, 10)), max_prompt=20, max_n=2)
             if len(r[0]) + r[1].max_tokens - 1 <= cfg.max_model_len]
@@ -329,7 +382,7 @@ def test_compact_batch_packs_pages_and_keeps_content():
     step(sched, ex)
     sched.finish(seqs[0])
     batch = sched.compact()
-    assert batch.copies and not batch.seqs
+    assert batch.moves and not batch.seqs and not batch.copies
     ex.execute(batch)
     assert sorted(p for s in seqs[1:] for p in s.block_table) == list(range(6))
     while sched.has_unfinished():

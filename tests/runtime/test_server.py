@@ -70,6 +70,21 @@ def test_health_models_and_metrics(server):
     assert metric(server, "vllm:time_to_first_token_seconds_count") >= 1
 
 
+def test_offload_tier_metrics(offline):
+    """The offload tier's counters under their names: pages saved, prefix hits by tier, recomputed tokens."""
+    with running_server(page_size=4, num_offload_pages=64, offload_watermark=0) as (url, _):
+        for prompt in PROMPTS[:2]:
+            assert completion(url, **greedy(prompt)).json()["choices"][0]["text"] == offline[prompt]
+        assert metric(url, "uacompile:kv_pages_offloaded_total") > 0
+        assert metric(url, "uacompile:prefix_cache_hits_by_tier_total", tier="gpu") >= 0
+        assert metric(url, "uacompile:prefix_cache_hits_by_tier_total", tier="cpu") >= 0
+        for name in ("uacompile:kv_pages_restored_total", "uacompile:recomputed_tokens_total",
+                     "uacompile:offload_pages_not_saved_total", "uacompile:offload_pages_not_ready_total",
+                     "uacompile:offload_pages_evicted_total", "uacompile:offload_pages_used",
+                     "uacompile:kv_compactions_total", "uacompile:kv_fragmentation"):
+            assert metric(url, name) >= 0, name
+
+
 def test_completion_equals_offline_greedy(server, offline):
     for prompt in PROMPTS[:3]:
         r = completion(server, **greedy(prompt))
