@@ -48,13 +48,39 @@ def test_config_picks_the_tiles():
         render_op(ir.Kernel(Q(4096, 4096, "q8_0", "bf16"), QuantMatmulConfig(warps=8, stages=8, m_tiles=4)))
 
 
+def test_config_picks_the_gemv_kernels():
+    from uacompile.targets.cuda.config import QuantMatmulConfig
+    from uacompile.targets.cuda.render import quant_gemv_tiles, render_op
+
+    op = Q(4096, 4096, "q4_k", "bf16")
+    # the rule: 1-8 tokens on CUDA cores, 8 warps where 128 blocks of 32 rows fit one wave, 4 beyond
+    assert [nt for nt, _, _ in quant_gemv_tiles(op)] == [1, 2, 4, 8]
+    assert {w for _, w, _ in quant_gemv_tiles(op)} == {8}
+    assert {w for _, w, _ in quant_gemv_tiles(Q(4096, 6144, "q4_k", "bf16"))} == {4}
+    assert quant_gemv_tiles(Q(4096, 4096, "q4_k", "fp32")) == []
+    src = render_op(op)
+    assert "launch_gemv<1, 8, 4>" in src and "launch_gemv<8, 8, 4>" in src
+    assert "cudaLaunchKernelEx" in src and "cudaLaunchKernelEx" not in render_op(op, "sm_80")
+    src = render_op(ir.Kernel(op, QuantMatmulConfig(gemv_tokens=2, gemv_warps=4, gemv_stages=2, pdl=False)))
+    assert "launch_gemv<2, 4, 2>" in src and "launch_gemv<4," not in src and "cudaLaunchKernelEx" not in src
+    assert "launch_gemv" not in render_op(ir.Kernel(op, QuantMatmulConfig(gemv_tokens=0))).split("extern")[1]
+    for bad in (dict(gemv_tokens=3), dict(gemv_warps=2), dict(gemv_stages=5), dict(pdl=1)):
+        with pytest.raises(ir.IRError, match="QuantMatmulConfig"):
+            QuantMatmulConfig(**bad)
+
+
 def test_every_rule_tile_fits():
-    from uacompile.targets.cuda.render import quant_matmul_fits, quant_matmul_tiles
+    from uacompile.targets.cuda.render import (GEMV_TWO_BLOCKS, SMEM_LIMIT, quant_gemv_smem, quant_gemv_tiles,
+                                               quant_matmul_fits, quant_matmul_tiles)
 
     for f in FORMATS:
         for K, N in ((4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (256, 100)):
             op = Q(K, N, f, "bf16")
             assert quant_matmul_fits(op), (op, quant_matmul_tiles(op))
+            gemv = quant_gemv_tiles(op)
+            assert [nt for nt, _, _ in gemv] == [1, 2, 4, 8], (op, gemv)
+            assert all(quant_gemv_smem(op, nt, w, st) <= (SMEM_LIMIT if w == 8 else GEMV_TWO_BLOCKS)
+                       for nt, w, st in gemv), (op, gemv)
 
 
 def _build(ops, arch):
@@ -80,7 +106,8 @@ def test_every_format_and_dtype_compiles(arch):
 
 
 def test_small_token_tiles_do_not_spill(tmp_path):
-    """ptxas -v on sm_90: the 1-16 token kernels and dequantize keep off local memory for every format."""
+    """ptxas -v on sm_90: the CUDA-core kernels, the 1-16 token tensor-core kernels and dequantize keep off local
+    memory for every format."""
     from uacompile.targets.cuda.build import INCLUDE_DIR
     from uacompile.targets.cuda.render import render_op
 
@@ -93,8 +120,10 @@ def test_small_token_tiles_do_not_spill(tmp_path):
     # ptxas prints each entry's "Compiling entry function '<name>'" then its spill line
     entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", proc.stderr, re.S)
     assert entries
-    small = [(name, int(n)) for name, n in entries if re.search(r"kernelILi\dELi[12]E", name) or "dequantize" in name]
+    small = [(name, int(n)) for name, n in entries if re.search(r"kernelILi\dELi[12]E", name) or "dequantize" in name
+             or "gemv" in name]
     assert small and all(n == 0 for _, n in small), small
+    assert sum("gemv" in name for name, _ in small) == 4 * len(FORMATS)
 
 
 def test_friendly_calls_reject_bad_tensors():
