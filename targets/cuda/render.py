@@ -259,25 +259,30 @@ GEMV_SMS = 132  # multiprocessors the CUDA-core rule fills (H200)
 GEMV_TWO_BLOCKS = 113 * 1024  # shared memory a block where two blocks share a multiprocessor (228 KB, 1 KB each kept)
 
 
-def quant_gemv_smem(op: ir.QuantMatmul, tokens: int, warps: int, stages: int) -> int:
-    """Shared memory of a block of the CUDA-core kernel (QuantGemv<...>::Layout<row bytes>::SMEM_BYTES)."""
+def quant_gemv_smem(op: ir.QuantMatmul, tokens: int, warps: int, stages: int, pair: int) -> int:
+    """Shared memory of a block of the CUDA-core kernel (QuantGemv<...>::Layout<row bytes>::SMEM_BYTES); pair:
+    units of 256 weights a stage."""
     f = op.format
     ub, rb = 256 // f.block * f.nbytes, op.in_features // f.block * f.nbytes
     wide = rb % 16 == 0 and ub % 16 == 0
-    wmax, cw = (ub // 16, 16) if wide else ((ub + 5) // 4, 4)
+    wmax, cw = (pair * ub // 16, 16) if wide else ((pair * ub + 5) // 4, 4)
     stride = ((wmax * cw + 15) // 16) | 1
-    warp = stages * 32 * stride * 16 + tokens * (256 + 16) * 4
+    warp = stages * 32 * stride * 16 + pair * tokens * (256 + 16) * 4
     return max(warps * warp, warps * tokens * 32 * 4)
 
 
-def quant_gemv_tiles(op: ir.QuantMatmul, cfg: QuantMatmulConfig | None = None) -> list[tuple[int, int, int]]:
-    """(tokens, warps, stages) of each CUDA-core kernel, up to gemv_tokens tokens (8 by the rule; none for float32).
-    The rule: 8 warps a block where the blocks of 32 rows fit one wave of GEMV_SMS blocks (one a multiprocessor),
-    else 4 warps with two blocks a multiprocessor (all of a 6144-row layer's 192 blocks resident at once); then
-    the most units in flight a warp (up to 4) that fit."""
+GEMV_RULE_TOKENS = 2  # the rule's gemv_tokens: the tensor-core kernel takes 3 tokens and more
+
+
+def quant_gemv_tiles(op: ir.QuantMatmul, cfg: QuantMatmulConfig | None = None) -> list[tuple[int, int, int, int]]:
+    """(tokens, warps, stages, units a stage) of each CUDA-core kernel, up to gemv_tokens tokens (GEMV_RULE_TOKENS
+    by the rule; none for float32). The rule: 8 warps a block where the blocks of 32 rows fit one wave of
+    GEMV_SMS blocks (one a multiprocessor), else 4 warps with two blocks a multiprocessor (all of a 6144-row
+    layer's 192 blocks resident at once); two units a stage up to 2 tokens where two stages of them fit, else
+    one; then the most stages (up to 4) that fit."""
     if op.dtype == "fp32":
         return []
-    most = cfg.gemv_tokens if cfg is not None and cfg.gemv_tokens is not None else 8
+    most = cfg.gemv_tokens if cfg is not None and cfg.gemv_tokens is not None else GEMV_RULE_TOKENS
     out = []
     for nt in GEMV_TOKENS:
         if nt > most:
@@ -285,11 +290,12 @@ def quant_gemv_tiles(op: ir.QuantMatmul, cfg: QuantMatmulConfig | None = None) -
         w = 8 if -(-op.out_features // 32) <= GEMV_SMS else 4
         w = cfg.gemv_warps if cfg is not None and cfg.gemv_warps else w
         limit = SMEM_LIMIT if w == 8 else GEMV_TWO_BLOCKS
-        st = next((s for s in (4, 3, 2) if quant_gemv_smem(op, nt, w, s) <= limit), 2)
+        pair = 2 if nt <= 2 and quant_gemv_smem(op, nt, w, 2, 2) <= limit else 1
+        st = next((s for s in (4, 3, 2) if quant_gemv_smem(op, nt, w, s, pair) <= limit), 2)
         st = cfg.gemv_stages if cfg is not None and cfg.gemv_stages else st
-        if quant_gemv_smem(op, nt, w, st) > SMEM_LIMIT:
+        if quant_gemv_smem(op, nt, w, st, pair) > SMEM_LIMIT:
             break
-        out.append((nt, w, st))
+        out.append((nt, w, st, pair))
     return out
 
 

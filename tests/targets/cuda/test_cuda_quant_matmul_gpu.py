@@ -31,12 +31,14 @@ DEQUANT = [ir.Dequantize(K, f, d) for f in FORMATS for K in sorted({K for K, _ i
 def _variants():
     from uacompile.targets.cuda.config import QuantMatmulConfig
 
-    # the tensor-core kernels at 1-8 tokens too (the CUDA-core ones take those by default), and the CUDA-core
-    # kernels with other warps and stages, without programmatic dependent launch
+    # the tensor-core kernels at 1-2 tokens too (the CUDA-core ones take those by default), the CUDA-core kernels
+    # up to 8 tokens, and with other warps and stages, without programmatic dependent launch
     out = [ir.Kernel(ir.QuantMatmul(K, N, f, d), QuantMatmulConfig(gemv_tokens=0))
            for f in FORMATS for (K, N) in SHAPES[f][:1] for d in ("bf16", "fp16")]
-    out += [ir.Kernel(ir.QuantMatmul(4096, 136, f, "bf16"), QuantMatmulConfig(pdl=False, gemv_warps=4, gemv_stages=2))
-            for f in FORMATS]
+    out += [ir.Kernel(ir.QuantMatmul(K, N, f, d), QuantMatmulConfig(gemv_tokens=8))
+            for f in FORMATS for (K, N) in SHAPES[f][-1:] for d in ("bf16", "fp16")]
+    out += [ir.Kernel(ir.QuantMatmul(4096, 136, f, "bf16"),
+                      QuantMatmulConfig(gemv_tokens=8, pdl=False, gemv_warps=4, gemv_stages=2)) for f in FORMATS]
     return out
 
 

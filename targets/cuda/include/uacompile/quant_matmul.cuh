@@ -17,7 +17,8 @@
 // decodes weights [64 t, 64 t + 64) of the unit for rows g and g + 8 of each 16-row tile. mma.sync m16n8k16's
 // K slots are a free permutation of K as long as both operands agree: the 4 K slots lane t holds in an mma
 // (2t, 2t + 1, 2t + 8, 2t + 9) are weights 4i .. 4i + 3 of its 64, so the activations it needs are 8
-// consecutive values a 16-byte load (x: token g of each 8-token tile, read from global / L1).
+// consecutive values a 16-byte load (x: token g of each 8-token tile, read from global / L1). With PDL, the first
+// units' copies are issued before griddepcontrol.wait (the weights do not depend on the kernel before).
 #ifndef UA_QUANT_MATMUL_CUH
 #define UA_QUANT_MATMUL_CUH
 #include "uacompile/common.cuh"
@@ -381,11 +382,12 @@ __device__ __forceinline__ void quant_matmul_simple(const T* __restrict__ x, con
 
 // ---------------------------------------------------------------- quant_matmul, CUDA cores (16-bit x, few tokens)
 // QuantGemv<...>::kernel: a block owns 32 weight rows (lane = row) and all NT tokens; its WARPS warps split K into
-// units of 256 weights (unit u goes to warp u % WARPS) and add up in shared memory at the end. A warp stages a
-// unit of its 32 rows into shared memory by cp.async (16-byte words where rows and units are 16-byte aligned,
-// else 4-byte words, and the unit then starts at byte OFF = 0 or 2 of its first word; STAGES units in flight),
-// and the unit's activations as float32 (x[NT][256], then the sum of each 16 of them), which every lane reads
-// at the same address (a broadcast). Quants become float32 exactly without a conversion instruction: the byte
+// stages of PAIR units of 256 weights (stage u goes to warp u % WARPS) and add up in shared memory at the end. A
+// warp stages a stage of its 32 rows into shared memory by cp.async (16-byte words where rows and units are
+// 16-byte aligned, the weight being 16-byte aligned (api.ALIGN), else 4-byte words, and the stage then starts at
+// byte OFF = 0 or 2 of its first word; STAGES stages in flight), and the stage's activations as float32
+// (x[NT][256], then the sum of each 16 of them, a unit), which every lane reads at the same address (a
+// broadcast). With PDL, the first stages' copies are issued before griddepcontrol.wait. Quants become float32 exactly without a conversion instruction: the byte
 // 0x80 | q (q < 128) put into bits 16..23 of 0x3F000000 is 1 + q / 128, so S = sum x (1 + q / 128) gives
 // sum x q = 128 (S - sum x); q8_0's q + 128 in the low byte of 0x4B000000 is 2^23 + 128 + q, less 2^23 + 128
 // exactly. Each scale multiplies once a block (a sub-block of the K-quants) and token.
@@ -489,13 +491,13 @@ __device__ __forceinline__ void scale_min(uint32_t s0, uint32_t s1, uint32_t s2,
 template <Fmt F> struct Gemv;
 
 template <> struct Gemv<Fmt::Q8_0> {
-  template <int OFF, int NT>
+  template <int OFF, int NT, bool FULL>
   __device__ static __forceinline__ void unit(const uint4* s, const float* xs, const float* xsum, int nb,
                                               float (&acc)[NT]) {
     (void)xsum;
     gv::static_for<0, 8>([&](auto bi) {
       constexpr int b = decltype(bi)::value, P = OFF + 34 * b;
-      if (b < nb) {
+      if (FULL || b < nb) {
         const float d = gv::half_at<P>(s);
         float S[2][NT];
         gv::zero(S[0]);
@@ -527,12 +529,12 @@ template <> struct Gemv<Fmt::Q8_0> {
 template <bool Q41>
 struct Gemv4 {
   static constexpr int NBYTES = Q41 ? 20 : 18, QS = Q41 ? 4 : 2;
-  template <int OFF, int NT>
+  template <int OFF, int NT, bool FULL>
   __device__ static __forceinline__ void unit(const uint4* s, const float* xs, const float* xsum, int nb,
                                               float (&acc)[NT]) {
     gv::static_for<0, 8>([&](auto bi) {
       constexpr int b = decltype(bi)::value, P = OFF + NBYTES * b;
-      if (b < nb) {
+      if (FULL || b < nb) {
         const float d = gv::half_at<P>(s);
         float lo[NT], hi[NT];
         gv::zero(lo);
@@ -568,7 +570,7 @@ template <> struct Gemv<Fmt::Q4_1> : Gemv4<true> {};
 template <bool Q5>
 struct GemvK {
   static constexpr int QS = Q5 ? 48 : 16;
-  template <int OFF, int NT>
+  template <int OFF, int NT, bool FULL>
   __device__ static __forceinline__ void unit(const uint4* s, const float* xs, const float* xsum, int nb,
                                               float (&acc)[NT]) {
     (void)nb;
@@ -612,7 +614,7 @@ template <> struct Gemv<Fmt::Q5_K> : GemvK<true> {};
 // Q6_K (a unit = 1 block): run r of half h is bytes ql[64 h + 32 (r & 1) ..] (low nibbles for r < 2, else high)
 // with bits 2r, 2r + 1 of qh[32 h ..]; each 16 weights have their own scale: sum x w = ds (128 S - 160 sum x)
 template <> struct Gemv<Fmt::Q6_K> {
-  template <int OFF, int NT>
+  template <int OFF, int NT, bool FULL>
   __device__ static __forceinline__ void unit(const uint4* s, const float* xs, const float* xsum, int nb,
                                               float (&acc)[NT]) {
     (void)nb;
@@ -654,55 +656,87 @@ template <> struct Gemv<Fmt::Q6_K> {
   }
 };
 
-template <Fmt F, class T, int NT, int WARPS, int STAGES>
+template <Fmt F, class T, int NT, int WARPS, int STAGES, int PAIR>
 struct QuantGemv {
   typedef Block<F> B;
-  static constexpr int ROWS = 32, THREADS = 32 * WARPS, UNIT = 256;
-  static constexpr int UB = UNIT / B::QK * B::NBYTES;  // bytes a unit of a row
-  static constexpr int XBYTES = NT * (UNIT + 16) * 4;   // a warp's x[NT][256] and sums[NT][16]
+  // a stage: PAIR (1 or 2) consecutive units of 256 weights of the 32 rows (2: two independent decode streams a
+  // warp)
+  static constexpr int ROWS = 32, THREADS = 32 * WARPS, UNIT = 256, SPAN = PAIR * UNIT;
+  static_assert(PAIR == 1 || PAIR == 2, "one or two units a stage");
+  static constexpr int UB = UNIT / B::QK * B::NBYTES;    // bytes a unit of a row
+  static constexpr int XCHUNK = NT * (UNIT + 16);         // floats of a unit's x[NT][256] and sums[NT][16]
+  static constexpr int XBYTES = PAIR * XCHUNK * 4;
   static constexpr int RED_BYTES = WARPS * NT * 32 * 4;
 
   // compile-time layout of the staged rows for row bytes RB: 16-byte copies when rows and units are 16-byte
-  // aligned, else 4-byte copies (rows and blocks are 2-byte aligned: a unit starts at byte 0 or 2 of a word)
-  template <int64_t RB>
+  // aligned, else 4-byte copies (rows and blocks are 2-byte aligned: a stage starts at byte 0 or 2 of a word)
+  template <int64_t RB_>
   struct Layout {
+    static constexpr int64_t RB = RB_;
     static constexpr bool WIDE = RB % 16 == 0 && UB % 16 == 0;
-    static constexpr bool EVEN = WIDE || (RB % 4 == 0 && UB % 4 == 0);  // every unit at byte 0 of a word
-    static constexpr int CW = WIDE ? 16 : 4;                               // bytes a copy
-    static constexpr int WMAX = WIDE ? UB / 16 : (UB + 2 + 3) / 4;         // copies a unit of a row
-    static constexpr int NW = (WMAX * CW + 15) / 16;                       // 16-byte words a unit of a row
-    static constexpr int STRIDE = NW | 1;                                  // 16-byte words a staged row (odd)
+    static constexpr bool EVEN = WIDE || (RB % 4 == 0 && (PAIR * UB) % 4 == 0);  // every stage at byte 0 of a word
+    static constexpr int CW = WIDE ? 16 : 4;                                        // bytes a copy
+    static constexpr int WMAX = WIDE ? PAIR * UB / 16 : (PAIR * UB + 2 + 3) / 4;    // copies a stage of a row
+    static constexpr int STRIDE = ((WMAX * CW + 15) / 16) | 1;                      // 16-byte words a row (odd)
     static constexpr int STAGE_BYTES = ROWS * STRIDE * 16;
     static constexpr int WARP_BYTES = STAGES * STAGE_BYTES + XBYTES;
     static constexpr int SMEM_BYTES = WARPS * WARP_BYTES > RED_BYTES ? WARPS * WARP_BYTES : RED_BYTES;
   };
 
+  // A lane's cp.async of a stage of the block's rows. Wide layout: lane l copies 16-byte words 2k + l % 2 of
+  // rows l / 2 and l / 2 + 16 (a warp instruction: 32 contiguous bytes of each of 16 rows), from addresses set
+  // up once. Else 4-byte words, lane by lane over the rows' covering words.
   template <class L>
-  __device__ static __forceinline__ void copy_unit(uint8_t* st, const uint8_t* w, int64_t row_bytes, int row0,
-                                                   int N, int K, int u, int lane) {
-    const int ub = (min(K, (u + 1) * UNIT) - u * UNIT) / B::QK * B::NBYTES;
-#pragma unroll 4
-    for (int idx = lane; idx < ROWS * L::WMAX; idx += 32) {
-      const int r = idx / L::WMAX, wd = idx - r * L::WMAX;
-      const uint8_t* a = w + (int64_t)min(row0 + r, N - 1) * row_bytes + (int64_t)u * UB;
-      if constexpr (L::WIDE) {
-        if (wd * 16 < ub) cp_async16(st + r * L::STRIDE * 16 + wd * 16, a + wd * 16, true);
-      } else {
-        const uintptr_t a0 = reinterpret_cast<uintptr_t>(a) & ~(uintptr_t)3;
-        const int words = (int)((reinterpret_cast<uintptr_t>(a) + ub + 3 - a0) >> 2);
-        if (wd < words) cp_async4(st + r * L::STRIDE * 16 + wd * 4, reinterpret_cast<const void*>(a0 + 4 * wd), true);
+  struct Copier {
+    const uint8_t* src[2];
+    uint32_t dst[2];
+    const uint8_t* w;
+    int row0, N, K, lane;
+    __device__ __forceinline__ Copier(const uint8_t* w_, int row0_, int N_, int K_, int lane_)
+        : w(w_), row0(row0_), N(N_), K(K_), lane(lane_) {
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int r = (lane >> 1) + 16 * p;
+        src[p] = w + (int64_t)min(row0 + r, N - 1) * L::RB + 16 * (lane & 1);
+        dst[p] = r * L::STRIDE * 16 + 16 * (lane & 1);
       }
     }
-  }
-
-  // x[tok0 + t][u * 256 + 8 lane .. + 8) of each token t (zero past num_tokens or K)
-  __device__ static __forceinline__ void load_x(const T* __restrict__ x, int64_t num_tokens, int K, int u, int lane,
-                                                uint4 (&v)[NT]) {
-    const int k = u * UNIT + 8 * lane;
+    __device__ __forceinline__ void operator()(uint8_t* st, int u) const {
+      const int ub = (min(K, (u + 1) * SPAN) - u * SPAN) / B::QK * B::NBYTES;
+      if constexpr (L::WIDE) {
+        const int words = (ub + 15) / 16, h = lane & 1;
 #pragma unroll
-    for (int t = 0; t < NT; ++t)
-      v[t] = (t < num_tokens && k < K) ? __ldg(reinterpret_cast<const uint4*>(x + (int64_t)t * K + k))
-                                       : make_uint4(0u, 0u, 0u, 0u);
+        for (int p = 0; p < 2; ++p) {
+          const uint8_t* a = src[p] + (int64_t)u * (PAIR * UB);
+          uint8_t* d = st + dst[p];
+#pragma unroll
+          for (int k = 0; k < (L::WMAX + 1) / 2; ++k)
+            if (2 * k + h < words) cp_async16(d + 32 * k, a + 32 * k, true);
+        }
+      } else {
+#pragma unroll 4
+        for (int idx = lane; idx < ROWS * L::WMAX; idx += 32) {
+          const int r = idx / L::WMAX, wd = idx - r * L::WMAX;
+          const uint8_t* a = w + (int64_t)min(row0 + r, N - 1) * L::RB + (int64_t)u * (PAIR * UB);
+          const uintptr_t a0 = reinterpret_cast<uintptr_t>(a) & ~(uintptr_t)3;
+          const int words = (int)((reinterpret_cast<uintptr_t>(a) + ub + 3 - a0) >> 2);
+          if (wd < words) cp_async4(st + r * L::STRIDE * 16 + wd * 4, reinterpret_cast<const void*>(a0 + 4 * wd), true);
+        }
+      }
+    }
+  };
+
+  // x[t][u * SPAN + 256 c + 8 lane .. + 8) of each token t and unit c of the stage (zero past num_tokens or K)
+  __device__ static __forceinline__ void load_x(const T* __restrict__ x, int64_t num_tokens, int K, int u, int lane,
+                                                uint4 (&v)[PAIR][NT]) {
+#pragma unroll
+    for (int c = 0; c < PAIR; ++c) {
+      const int k = u * SPAN + c * UNIT + 8 * lane;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+        v[c][t] = (t < num_tokens && k < K) ? __ldg(reinterpret_cast<const uint4*>(x + (int64_t)t * K + k))
+                                            : make_uint4(0u, 0u, 0u, 0u);
+    }
   }
   __device__ static __forceinline__ void to_f2(uint32_t w, float& a, float& b) {
     if constexpr (Pair<T>::MAGIC == Pair<bf16>::MAGIC) {
@@ -714,21 +748,41 @@ struct QuantGemv {
       b = f.y;
     }
   }
-  __device__ static __forceinline__ void store_x(float* xs, int lane, const uint4 (&v)[NT]) {
+  // unit c's activations as float32 at xs + c * XCHUNK: x[t][256] then the sums of each 16, sums[t][16]
+  __device__ static __forceinline__ void store_x(float* xs, int lane, const uint4 (&v)[PAIR][NT]) {
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      float f[8];
-      to_f2(v[t].x, f[0], f[1]);
-      to_f2(v[t].y, f[2], f[3]);
-      to_f2(v[t].z, f[4], f[5]);
-      to_f2(v[t].w, f[6], f[7]);
-      float4* o = reinterpret_cast<float4*>(xs + t * UNIT + 8 * lane);
-      o[0] = make_float4(f[0], f[1], f[2], f[3]);
-      o[1] = make_float4(f[4], f[5], f[6], f[7]);
-      float sum = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      if ((lane & 1) == 0) xs[NT * UNIT + t * 16 + lane / 2] = sum;
+    for (int c = 0; c < PAIR; ++c) {
+      float* xc = xs + c * XCHUNK;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        float f[8];
+        to_f2(v[c][t].x, f[0], f[1]);
+        to_f2(v[c][t].y, f[2], f[3]);
+        to_f2(v[c][t].z, f[4], f[5]);
+        to_f2(v[c][t].w, f[6], f[7]);
+        float4* o = reinterpret_cast<float4*>(xc + t * UNIT + 8 * lane);
+        o[0] = make_float4(f[0], f[1], f[2], f[3]);
+        o[1] = make_float4(f[4], f[5], f[6], f[7]);
+        float sum = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        if ((lane & 1) == 0) xc[NT * UNIT + t * 16 + lane / 2] = sum;
+      }
     }
+  }
+
+  // the stage's units for one row: unit c starts at byte OFF + c UB of the staged row st; FULL: every block of
+  // the stage lies within K (no per-block tests: the units' code is one stream for the scheduler)
+  template <int OFF, bool FULL>
+  __device__ static __forceinline__ void stage(const uint8_t* st, const float* xs, int k0, int K, float (&acc)[NT]) {
+    gv::static_for<0, PAIR>([&](auto ci) {
+      constexpr int c = decltype(ci)::value, P = OFF + c * UB, W0 = P / 16;
+      constexpr int NWC = (P % 16 + UB + 4 + 15) / 16;  // 16-byte words covering the unit (and a word past it)
+      uint4 s[NWC];
+#pragma unroll
+      for (int q = 0; q < NWC; ++q) s[q] = gv::lds128(st + 16 * (W0 + q));
+      const int nb = FULL ? UNIT / 32 : max(0, min(UNIT, K - (k0 + c * UNIT)) / 32);
+      Gemv<F>::template unit<P % 16, NT, FULL>(s, xs + c * XCHUNK, xs + c * XCHUNK + NT * UNIT, nb, acc);
+    });
   }
 
   template <int64_t RB, bool PDL>
@@ -739,15 +793,16 @@ struct QuantGemv {
     static_assert(L::SMEM_BYTES <= 227 * 1024, "shared memory of a block: fewer warps or stages");
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int row0 = blockIdx.x * ROWS;
-    const int units = (K + UNIT - 1) / UNIT;
+    const int units = (K + SPAN - 1) / SPAN;
     const int mine = units > warp ? (units - warp + WARPS - 1) / WARPS : 0;
     uint8_t* ring = smem + warp * L::WARP_BYTES;
     float* xs = reinterpret_cast<float*>(ring + STAGES * L::STAGE_BYTES);
     const int row = min(row0 + lane, N - 1);
+    const Copier<L> copy(w, row0, N, K, lane);
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < mine) copy_unit<L>(ring + s * L::STAGE_BYTES, w, RB, row0, N, K, warp + s * WARPS, lane);
+      if (s < mine) copy(ring + s * L::STAGE_BYTES, warp + s * WARPS);
       cp_async_commit();
     }
     // the weights are in flight; x and out belong to the kernels before this one on the stream
@@ -757,7 +812,7 @@ struct QuantGemv {
       asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     }
 #endif
-    uint4 xv[NT];
+    uint4 xv[PAIR][NT];
     if (mine > 0) {
       load_x(x, num_tokens, K, warp, lane, xv);
       store_x(xs, lane, xv);
@@ -770,28 +825,32 @@ struct QuantGemv {
       __syncwarp();
       {
         const int nx = i + STAGES - 1;
-        if (nx < mine) copy_unit<L>(ring + (nx % STAGES) * L::STAGE_BYTES, w, RB, row0, N, K, warp + nx * WARPS, lane);
+        if (nx < mine) copy(ring + (nx % STAGES) * L::STAGE_BYTES, warp + nx * WARPS);
         cp_async_commit();
       }
       if (i + 1 < mine) load_x(x, num_tokens, K, u + WARPS, lane, xv);
       const uint8_t* st = ring + (i % STAGES) * L::STAGE_BYTES + lane * L::STRIDE * 16;
-      uint4 s[L::NW];
-#pragma unroll
-      for (int q = 0; q < L::NW; ++q) s[q] = gv::lds128(st + 16 * q);
-      const int nb = min(UNIT, K - u * UNIT) / 32;
+      const int k0 = u * SPAN;
+      const bool full = k0 + SPAN <= K;
       if constexpr (L::EVEN) {
-        Gemv<F>::template unit<0, NT>(s, xs, xs + NT * UNIT, nb, acc);
+        if (full) stage<0, true>(st, xs, k0, K, acc);
+        else stage<0, false>(st, xs, k0, K, acc);
       } else {
-        const bool odd = (reinterpret_cast<uintptr_t>(w + (int64_t)row * RB + (int64_t)u * UB) & 2) != 0;
-        if (odd) Gemv<F>::template unit<2, NT>(s, xs, xs + NT * UNIT, nb, acc);
-        else Gemv<F>::template unit<0, NT>(s, xs, xs + NT * UNIT, nb, acc);
+        const bool odd = (reinterpret_cast<uintptr_t>(w + (int64_t)row * RB + (int64_t)u * (PAIR * UB)) & 2) != 0;
+        if (odd) {
+          if (full) stage<2, true>(st, xs, k0, K, acc);
+          else stage<2, false>(st, xs, k0, K, acc);
+        } else {
+          if (full) stage<0, true>(st, xs, k0, K, acc);
+          else stage<0, false>(st, xs, k0, K, acc);
+        }
       }
       __syncwarp();
       if (i + 1 < mine) store_x(xs, lane, xv);
     }
     cp_async_wait<0>();
 
-    // the warps' partial sums (their K units), summed and stored
+    // the warps' partial sums (their K stages), summed and stored
     __syncthreads();
     float* red = reinterpret_cast<float*>(smem);
 #pragma unroll
@@ -817,30 +876,46 @@ struct QuantMatmul {
   static constexpr int WMAX = (UB + 15) / 16 + 1;                   // 16-byte words covering a unit's bytes
   static constexpr int STRIDE = WMAX | 1;                           // words a staged row (odd: banks spread)
   static constexpr int STAGE_BYTES = ROWS * STRIDE * 16;
-  static constexpr int COPIES = (ROWS * WMAX + 31) / 32;            // cp.async a lane a unit
   static constexpr int RED_BYTES = WARPS > 1 ? WARPS * MT * NT * 4 * 32 * 4 : 0;
   static constexpr int SMEM_BYTES =
       WARPS * STAGES * STAGE_BYTES > RED_BYTES ? WARPS * STAGES * STAGE_BYTES : RED_BYTES;
   static_assert(STAGES >= 2, "a unit in flight while one is decoded");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory of a block: fewer warps, stages or m_tiles");
 
-  // stage unit u of rows row0 .. row0 + ROWS (clamped to N - 1) into st; returns nothing, commits nothing
-  __device__ static __forceinline__ void copy_unit(uint8_t* st, const uint8_t* w, int64_t row_bytes, int row0,
-                                                   int N, int K, int u, int lane) {
-    const int ub = (min(K, (u + 1) * UNIT) - u * UNIT) / B::QK * B::NBYTES;
+  // A lane's cp.async of a unit of rows row0 .. row0 + ROWS (clamped to N - 1): lane l copies the 16-byte words
+  // 2k + l % 2 covering the unit's bytes in rows l / 2 + 16 p (a warp instruction: 32 contiguous bytes of each of
+  // 16 rows), from row addresses set up once; returns nothing, commits nothing.
+  static constexpr int RP = ROWS / 16;  // rows a lane copies
+  struct Copier {
+    const uint8_t* row[RP];
+    uint32_t dst[RP];
+    int K, h;
+    __device__ __forceinline__ Copier(const uint8_t* w, int64_t row_bytes, int row0, int N, int K_, int lane)
+        : K(K_), h(lane & 1) {
 #pragma unroll
-    for (int i = 0; i < COPIES; ++i) {
-      const int idx = lane + 32 * i;
-      const int r = idx / WMAX, wd = idx - r * WMAX;
-      if (r < ROWS) {
-        const uint8_t* a = w + (int64_t)min(row0 + r, N - 1) * row_bytes + (int64_t)u * UB;
-        const uintptr_t a0 = reinterpret_cast<uintptr_t>(a) & ~(uintptr_t)15;
-        const int words = (int)((reinterpret_cast<uintptr_t>(a) + ub + 15 - a0) >> 4);
-        if (wd < words) cp_async16(st + (r * STRIDE + wd) * 16, reinterpret_cast<const void*>(a0 + 16 * wd), true);
+      for (int p = 0; p < RP; ++p) {
+        const int r = (lane >> 1) + 16 * p;
+        row[p] = w + (int64_t)min(row0 + r, N - 1) * row_bytes;
+        dst[p] = r * STRIDE * 16 + 16 * h;
       }
     }
-  }
+    __device__ __forceinline__ void operator()(uint8_t* st, int u) const {
+      const int ub = (min(K, (u + 1) * UNIT) - u * UNIT) / B::QK * B::NBYTES;
+#pragma unroll
+      for (int p = 0; p < RP; ++p) {
+        const uintptr_t a = reinterpret_cast<uintptr_t>(row[p] + (int64_t)u * UB);
+        const uintptr_t a0 = a & ~(uintptr_t)15;
+        const int words = (int)((a + ub + 15 - a0) >> 4);
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(a0) + 16 * h;
+        uint8_t* d = st + dst[p];
+#pragma unroll
+        for (int k = 0; k < (WMAX + 1) / 2; ++k)
+          if (2 * k + h < words) cp_async16(d + 32 * k, src + 32 * k, true);
+      }
+    }
+  };
 
+  template <bool PDL>
   __device__ static __forceinline__ void kernel(const T* __restrict__ x, const uint8_t* __restrict__ w,
                                                 T* __restrict__ out, int64_t num_tokens, int N, int K,
                                                 uint8_t* smem) {
@@ -870,32 +945,48 @@ struct QuantMatmul {
       xrow[b] = x + (xok[b] ? tok : 0) * K;
     }
 
+    const Copier copy(w, row_bytes, row0, N, K, lane);
+    // lane (g, t) decodes rows 16 a + 8 h + g: their staged words' offsets and the rows' byte offsets mod 16
+    uint32_t roff[MT][2], rmis[MT][2];
+#pragma unroll
+    for (int a = 0; a < MT; ++a)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = 16 * a + 8 * h + g;
+        roff[a][h] = r * STRIDE * 16;
+        rmis[a][h] = (uint32_t)(reinterpret_cast<uintptr_t>(w + (int64_t)min(row0 + r, N - 1) * row_bytes) & 15);
+      }
+
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < mine) copy_unit(ring + s * STAGE_BYTES, w, row_bytes, row0, N, K, warp + s * WARPS, lane);
+      if (s < mine) copy(ring + s * STAGE_BYTES, warp + s * WARPS);
       cp_async_commit();
     }
+    // the weights are in flight; x and out belong to the kernels before this one on the stream
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if constexpr (PDL) {
+      asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    }
+#endif
     for (int i = 0; i < mine; ++i) {
       cp_async_wait<STAGES - 2>();
       __syncwarp();
       {
         const int nx = i + STAGES - 1;
-        if (nx < mine) copy_unit(ring + (nx % STAGES) * STAGE_BYTES, w, row_bytes, row0, N, K, warp + nx * WARPS, lane);
+        if (nx < mine) copy(ring + (nx % STAGES) * STAGE_BYTES, warp + nx * WARPS);
         cp_async_commit();
       }
       const int u = warp + i * WARPS;
       const uint8_t* st = ring + (i % STAGES) * STAGE_BYTES;
       const int kseg = u * UNIT + 64 * t;  // this lane's 64 weights of the unit
       // rows' staged unit: the byte offset of the unit's first byte in its first word
+      const uint32_t umis = (uint32_t)u * UB;
       const uint8_t* rp[MT][2];
 #pragma unroll
       for (int a = 0; a < MT; ++a)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = 16 * a + 8 * h + g;
-          const uint8_t* src = w + (int64_t)min(row0 + r, N - 1) * row_bytes + (int64_t)u * UB;
-          rp[a][h] = st + r * STRIDE * 16 + (reinterpret_cast<uintptr_t>(src) & 15);
-        }
+        for (int h = 0; h < 2; ++h) rp[a][h] = st + roff[a][h] + ((rmis[a][h] + umis) & 15);
       if ((u + 1) * UNIT <= K) {
         unit_mma<false>(rp, xrow, xok, acc, kseg, t, K);
       } else {
