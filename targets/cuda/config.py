@@ -144,7 +144,7 @@ class QuantMatmulConfig:
     stages: units a warp has in flight (cp.async into shared memory), 2-8.
     m_tiles: 16-row weight tiles a warp (1, 2 or 4): more rows a warp reuse each activation fragment more.
 
-    Up to gemv_tokens tokens (0, 1, 2, 4 or 8; None: render.GEMV_RULE_TOKENS) run on CUDA cores instead
+    Up to gemv_tokens tokens (0, 1, 2, 4 or 8; None: the format's render.GEMV_RULE_TOKENS) run on CUDA cores instead
     (QuantGemv: 32 rows a block, kernels of 1, 2, 4 and 8 tokens); gemv_warps (4 or 8) and gemv_stages (2-4) set
     its warps a block and stages in flight a warp.
     pdl: both kernels launch with programmatic dependent launch on Hopper (their first weights load while the

@@ -271,18 +271,20 @@ def quant_gemv_smem(op: ir.QuantMatmul, tokens: int, warps: int, stages: int, pa
     return max(warps * warp, warps * tokens * 32 * 4)
 
 
-GEMV_RULE_TOKENS = 2  # the rule's gemv_tokens: the tensor-core kernel takes 3 tokens and more
+# the rule's gemv_tokens by format: the most tokens at which the CUDA-core kernel was at least as fast as the
+# tensor-core kernel on most Qwen3-8B shapes (H200, bench/results/quant_gemv-2026-12-02.md)
+GEMV_RULE_TOKENS = {"q8_0": 2, "q4_0": 1, "q4_1": 1, "q4_k": 2, "q5_k": 2, "q6_k": 1}
 
 
 def quant_gemv_tiles(op: ir.QuantMatmul, cfg: QuantMatmulConfig | None = None) -> list[tuple[int, int, int, int]]:
     """(tokens, warps, stages, units a stage) of each CUDA-core kernel, up to gemv_tokens tokens (GEMV_RULE_TOKENS
-    by the rule; none for float32). The rule: 8 warps a block where the blocks of 32 rows fit one wave of
+    of the format by the rule; none for float32). The rule: 8 warps a block where the blocks of 32 rows fit one wave of
     GEMV_SMS blocks (one a multiprocessor), else 4 warps with two blocks a multiprocessor (all of a 6144-row
     layer's 192 blocks resident at once); two units a stage up to 2 tokens where two stages of them fit, else
     one; then the most stages (up to 4) that fit."""
     if op.dtype == "fp32":
         return []
-    most = cfg.gemv_tokens if cfg is not None and cfg.gemv_tokens is not None else GEMV_RULE_TOKENS
+    most = cfg.gemv_tokens if cfg is not None and cfg.gemv_tokens is not None else GEMV_RULE_TOKENS[op.weight_format]
     out = []
     for nt in GEMV_TOKENS:
         if nt > most:

@@ -53,9 +53,10 @@ def test_config_picks_the_gemv_kernels():
     from uacompile.targets.cuda.render import quant_gemv_tiles, render_op
 
     op = Q(4096, 4096, "q4_k", "bf16")
-    # the rule: 1-2 tokens on CUDA cores, 8 warps where 128 blocks of 32 rows fit one wave, 4 beyond; two units
-    # a stage where they fit
+    # the rule: 1-2 tokens on CUDA cores (1 for q4_0, q4_1, q6_k), 8 warps where 128 blocks of 32 rows fit one
+    # wave, 4 beyond; two units a stage where they fit
     assert quant_gemv_tiles(op) == [(1, 8, 2, 2), (2, 8, 2, 2)]
+    assert [nt for nt, _, _, _ in quant_gemv_tiles(Q(4096, 4096, "q6_k", "bf16"))] == [1]
     assert {w for _, w, _, _ in quant_gemv_tiles(Q(4096, 6144, "q4_k", "bf16"))} == {4}
     assert [p for _, _, _, p in quant_gemv_tiles(Q(4096, 4096, "q8_0", "bf16"))] == [1, 1]
     assert quant_gemv_tiles(Q(4096, 4096, "q4_k", "fp32")) == []

@@ -876,44 +876,29 @@ struct QuantMatmul {
   static constexpr int WMAX = (UB + 15) / 16 + 1;                   // 16-byte words covering a unit's bytes
   static constexpr int STRIDE = WMAX | 1;                           // words a staged row (odd: banks spread)
   static constexpr int STAGE_BYTES = ROWS * STRIDE * 16;
+  static constexpr int COPIES = (ROWS * WMAX + 31) / 32;            // cp.async a lane a unit
   static constexpr int RED_BYTES = WARPS > 1 ? WARPS * MT * NT * 4 * 32 * 4 : 0;
   static constexpr int SMEM_BYTES =
       WARPS * STAGES * STAGE_BYTES > RED_BYTES ? WARPS * STAGES * STAGE_BYTES : RED_BYTES;
   static_assert(STAGES >= 2, "a unit in flight while one is decoded");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory of a block: fewer warps, stages or m_tiles");
 
-  // A lane's cp.async of a unit of rows row0 .. row0 + ROWS (clamped to N - 1): lane l copies the 16-byte words
-  // 2k + l % 2 covering the unit's bytes in rows l / 2 + 16 p (a warp instruction: 32 contiguous bytes of each of
-  // 16 rows), from row addresses set up once; returns nothing, commits nothing.
-  static constexpr int RP = ROWS / 16;  // rows a lane copies
-  struct Copier {
-    const uint8_t* row[RP];
-    uint32_t dst[RP];
-    int K, h;
-    __device__ __forceinline__ Copier(const uint8_t* w, int64_t row_bytes, int row0, int N, int K_, int lane)
-        : K(K_), h(lane & 1) {
+  // stage unit u of rows row0 .. row0 + ROWS (clamped to N - 1) into st; returns nothing, commits nothing
+  __device__ static __forceinline__ void copy_unit(uint8_t* st, const uint8_t* w, int64_t row_bytes, int row0,
+                                                   int N, int K, int u, int lane) {
+    const int ub = (min(K, (u + 1) * UNIT) - u * UNIT) / B::QK * B::NBYTES;
 #pragma unroll
-      for (int p = 0; p < RP; ++p) {
-        const int r = (lane >> 1) + 16 * p;
-        row[p] = w + (int64_t)min(row0 + r, N - 1) * row_bytes;
-        dst[p] = r * STRIDE * 16 + 16 * h;
+    for (int i = 0; i < COPIES; ++i) {
+      const int idx = lane + 32 * i;
+      const int r = idx / WMAX, wd = idx - r * WMAX;
+      if (r < ROWS) {
+        const uint8_t* a = w + (int64_t)min(row0 + r, N - 1) * row_bytes + (int64_t)u * UB;
+        const uintptr_t a0 = reinterpret_cast<uintptr_t>(a) & ~(uintptr_t)15;
+        const int words = (int)((reinterpret_cast<uintptr_t>(a) + ub + 15 - a0) >> 4);
+        if (wd < words) cp_async16(st + (r * STRIDE + wd) * 16, reinterpret_cast<const void*>(a0 + 16 * wd), true);
       }
     }
-    __device__ __forceinline__ void operator()(uint8_t* st, int u) const {
-      const int ub = (min(K, (u + 1) * UNIT) - u * UNIT) / B::QK * B::NBYTES;
-#pragma unroll
-      for (int p = 0; p < RP; ++p) {
-        const uintptr_t a = reinterpret_cast<uintptr_t>(row[p] + (int64_t)u * UB);
-        const uintptr_t a0 = a & ~(uintptr_t)15;
-        const int words = (int)((a + ub + 15 - a0) >> 4);
-        const uint8_t* src = reinterpret_cast<const uint8_t*>(a0) + 16 * h;
-        uint8_t* d = st + dst[p];
-#pragma unroll
-        for (int k = 0; k < (WMAX + 1) / 2; ++k)
-          if (2 * k + h < words) cp_async16(d + 32 * k, src + 32 * k, true);
-      }
-    }
-  };
+  }
 
   template <bool PDL>
   __device__ static __forceinline__ void kernel(const T* __restrict__ x, const uint8_t* __restrict__ w,
@@ -945,21 +930,9 @@ struct QuantMatmul {
       xrow[b] = x + (xok[b] ? tok : 0) * K;
     }
 
-    const Copier copy(w, row_bytes, row0, N, K, lane);
-    // lane (g, t) decodes rows 16 a + 8 h + g: their staged words' offsets and the rows' byte offsets mod 16
-    uint32_t roff[MT][2], rmis[MT][2];
-#pragma unroll
-    for (int a = 0; a < MT; ++a)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = 16 * a + 8 * h + g;
-        roff[a][h] = r * STRIDE * 16;
-        rmis[a][h] = (uint32_t)(reinterpret_cast<uintptr_t>(w + (int64_t)min(row0 + r, N - 1) * row_bytes) & 15);
-      }
-
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < mine) copy(ring + s * STAGE_BYTES, warp + s * WARPS);
+      if (s < mine) copy_unit(ring + s * STAGE_BYTES, w, row_bytes, row0, N, K, warp + s * WARPS, lane);
       cp_async_commit();
     }
     // the weights are in flight; x and out belong to the kernels before this one on the stream
@@ -974,19 +947,22 @@ struct QuantMatmul {
       __syncwarp();
       {
         const int nx = i + STAGES - 1;
-        if (nx < mine) copy(ring + (nx % STAGES) * STAGE_BYTES, warp + nx * WARPS);
+        if (nx < mine) copy_unit(ring + (nx % STAGES) * STAGE_BYTES, w, row_bytes, row0, N, K, warp + nx * WARPS, lane);
         cp_async_commit();
       }
       const int u = warp + i * WARPS;
       const uint8_t* st = ring + (i % STAGES) * STAGE_BYTES;
       const int kseg = u * UNIT + 64 * t;  // this lane's 64 weights of the unit
       // rows' staged unit: the byte offset of the unit's first byte in its first word
-      const uint32_t umis = (uint32_t)u * UB;
       const uint8_t* rp[MT][2];
 #pragma unroll
       for (int a = 0; a < MT; ++a)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) rp[a][h] = st + roff[a][h] + ((rmis[a][h] + umis) & 15);
+        for (int h = 0; h < 2; ++h) {
+          const int r = 16 * a + 8 * h + g;
+          const uint8_t* src = w + (int64_t)min(row0 + r, N - 1) * row_bytes + (int64_t)u * UB;
+          rp[a][h] = st + r * STRIDE * 16 + (reinterpret_cast<uintptr_t>(src) & 15);
+        }
       if ((u + 1) * UNIT <= K) {
         unit_mma<false>(rp, xrow, xok, acc, kseg, t, K);
       } else {
