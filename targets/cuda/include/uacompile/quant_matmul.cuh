@@ -1,7 +1,7 @@
 // uacompile CUDA header of the GGUF block formats (ir.WEIGHT_FORMATS): dequantize and quant_matmul over weights
 // kept packed on the device (after uacompile/common.cuh and uacompile/ptx.cuh). Include-guarded.
 //
-// Decoding comes in two kinds:
+// Decoding comes in three kinds:
 //  * exact (Block<F>::decode8): 8 consecutive weights in float32, ggml's arithmetic (reference.dequantize_blocks:
 //    every product and sum rounded in float32 by __fmul_rn / __fadd_rn / __fsub_rn, no contraction). dequantize
 //    and the float32 quant_matmul use it.
@@ -9,6 +9,8 @@
 //    Quants become 16-bit floats by the magic-exponent trick (0x6400 | q is fp16 1024 + q, 0x4300 | q is bf16
 //    128 + q: exact), less the bias; the scale multiplies in the 16-bit type (its scale rounded to it), except
 //    q8_0 in bf16, which goes through float32 (bf16 holds 8 bits of a quant exactly but not 256 + q).
+//  * CUDA-core (Gemv<F>::unit, QuantGemv below): bytes 0x80 | q as floats 1 + q / 128 (exact), dotted with x in
+//    float32, each scale applied once a block.
 //
 // quant_matmul's tensor-core kernel (QuantMatmul<...>::kernel): a block owns ROWS = 16 * MT weight rows and
 // 8 * NT tokens; its WARPS warps split K into units of 256 weights (unit u goes to warp u % WARPS) and add up in
@@ -387,10 +389,11 @@ __device__ __forceinline__ void quant_matmul_simple(const T* __restrict__ x, con
 // 16-byte aligned, the weight being 16-byte aligned (api.ALIGN), else 4-byte words, and the stage then starts at
 // byte OFF = 0 or 2 of its first word; STAGES stages in flight), and the stage's activations as float32
 // (x[NT][256], then the sum of each 16 of them, a unit), which every lane reads at the same address (a
-// broadcast). With PDL, the first stages' copies are issued before griddepcontrol.wait. Quants become float32 exactly without a conversion instruction: the byte
-// 0x80 | q (q < 128) put into bits 16..23 of 0x3F000000 is 1 + q / 128, so S = sum x (1 + q / 128) gives
-// sum x q = 128 (S - sum x); q8_0's q + 128 in the low byte of 0x4B000000 is 2^23 + 128 + q, less 2^23 + 128
-// exactly. Each scale multiplies once a block (a sub-block of the K-quants) and token.
+// broadcast). With PDL, the first stages' copies are issued before griddepcontrol.wait. Quants become float32
+// exactly without a conversion instruction: the byte 0x80 | q (q < 128) put into bits 16..23 of 0x3F000000 is
+// 1 + q / 128, so S = sum x (1 + q / 128) gives sum x q = 128 (S - sum x); q8_0's q + 128 in the low byte of
+// 0x4B000000 is 2^23 + 128 + q, less 2^23 + 128 exactly. Each scale multiplies once a block (a sub-block of the
+// K-quants) and token.
 namespace gv {
 template <int V> struct Int { static constexpr int value = V; };
 // fn(Int<I>{}) for I = B .. E - 1
@@ -485,9 +488,10 @@ __device__ __forceinline__ void scale_min(uint32_t s0, uint32_t s1, uint32_t s2,
 }
 }  // namespace gv
 
-// Gemv<F>::unit<OFF, NT>(s, xs, xsum, nb, acc): acc[t] += the unit's 256 weights of one row (its staged words in
-// registers s, the unit's first byte at byte OFF) times x[t] (xs[t * 256 ..], the 16-sums xsum[t * 16 ..]); nb: the unit's valid 32-weight
-// blocks (the last unit of a K that is not a multiple of 256).
+// Gemv<F>::unit<OFF, NT, FULL>(s, xs, xsum, nb, acc): acc[t] += the unit's 256 weights of one row (its staged
+// words in registers s, the unit's first byte at byte OFF) times x[t] (xs[t * 256 ..], the 16-sums
+// xsum[t * 16 ..]); nb: the unit's valid 32-weight blocks (the last unit of a K that is not a multiple of 256),
+// all 8 when FULL.
 template <Fmt F> struct Gemv;
 
 template <> struct Gemv<Fmt::Q8_0> {
