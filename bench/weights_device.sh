@@ -29,8 +29,12 @@ for phase in "$@"; do
     quantize)
       for _ in $(seq 1 120); do [ -x $LCPP/llama-quantize ] && break; grep -q FAILED /tmp/lcpp.log && break; sleep 5; done
       tail -3 /tmp/lcpp.log
-      [ -f $M/q3-q8_0.gguf ] || $LCPP/llama-quantize $M/q3-bf16.gguf $M/q3-q8_0.gguf Q8_0 16 > /tmp/quant-q8.log 2>&1 || rc=1
-      [ -f $M/q3-q4_k_m.gguf ] || $LCPP/llama-quantize $M/q3-bf16.gguf $M/q3-q4_k_m.gguf Q4_K_M 16 > /tmp/quant-q4.log 2>&1 || rc=1
+      # written under a temporary name and moved when done: a call cut short leaves no partial file behind
+      for q in q8_0:Q8_0 q4_k_m:Q4_K_M; do
+        f=$M/q3-${q%%:*}.gguf
+        [ -f $f ] || { $LCPP/llama-quantize $M/q3-bf16.gguf $f.part ${q#*:} 16 > /tmp/quant-${q%%:*}.log 2>&1 \
+                       && mv $f.part $f; } || rc=1
+      done
       ls -la $M
       ;;
     bench)
