@@ -47,6 +47,7 @@ class CpuDecodeProgram:
             t.numpy() for t in (self.input_ids, self.positions, self.token_kv_len, self.slot_mapping, self.page_table))
         self._written: list[int] = []  # the block table the page table holds
         self.tapes: dict[int, _Tape] = {}  # id(plan) -> its tape
+        self.plans: dict[int, object] = {}  # pages of the sequence -> the attention plan (plan_step) of its steps
 
     def fits(self, batch: ScheduledBatch) -> bool:
         """One sequence computing its last token (known on the host), no cache moves, the backend not wrapped
@@ -71,7 +72,9 @@ class CpuDecodeProgram:
         self._pos[0] = pos
         self._len[0] = pos + 1
         self._slot[0] = table[pos // P] * P + pos % P
-        plan = self.backend.plan_step(1, 1, len(table) * P)
+        plan = self.plans.get(len(table), self)  # (self: not planned yet; a plan may be None)
+        if plan is self:
+            plan = self.plans[len(table)] = self.backend.plan_step(1, 1, len(table) * P)
         tape = self.tapes.get(id(plan))
         if tape is None:
             return self._record(seq, plan)
