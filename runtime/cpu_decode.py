@@ -50,14 +50,15 @@ class CpuDecodeProgram:
         self.plans: dict[int, object] = {}  # pages of the sequence -> the attention plan (plan_step) of its steps
 
     def fits(self, batch: ScheduledBatch) -> bool:
-        """One sequence computing its last token (known on the host), no cache moves, the backend not wrapped
-        (a tracer's TracedKernels sees every call)."""
+        """One sequence computing its last token (known on the host), no cache moves, the backend running the
+        model's layer ops and not wrapped (a tracer's TracedKernels sees every call)."""
         if not self.enabled or len(batch.seqs) != 1 or batch.swap_out or batch.swap_in or batch.copies:
             return False
         seq = batch.seqs[0]
         pos = seq.num_computed_tokens
         return (batch.num_new_tokens[0] == 1 and pos == seq.num_tokens - 1 and seq.token_ids[pos] >= 0
-                and len(seq.block_table) <= self.width and self.ex.kernels is self.backend)
+                and len(seq.block_table) <= self.width and self.ex.kernels is self.backend
+                and self.ex.model.layer_backend is self.backend)
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """The step's logits [1, V] (the tape's tensor), or None where the step cannot be recorded (the caller

@@ -92,6 +92,13 @@ def test_a_traced_engine_runs_the_ordinary_path():
     assert not llm.engine.executor.decode_program.tapes
 
 
+def test_a_model_on_other_layer_ops_runs_the_ordinary_path():
+    llm = make_llm()
+    llm.engine.model.layer_backend = kernels.TorchLayerOps()
+    decode(llm, n=6)
+    assert not llm.engine.executor.decode_program.tapes
+
+
 def test_a_step_the_tape_cannot_hold_turns_recording_off(monkeypatch):
     llm = make_llm()
     monkeypatch.setitem(kernels.CPU_LAYER_KERNEL_ROWS, "rope", 0)  # rope in torch: not recordable
