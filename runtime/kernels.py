@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -337,7 +338,8 @@ class NotRecordable(Exception):
 class TVMCPUBackend(PackedLinearOps, KernelBackend):
     """TVM-LLVM kernels (uacompile.lower.tvm_build.cpu_kernel), built once per op and cached on disk. A step's
     attention runs the tuning database's TVMConfig for the step's bucket (`uacompile tune --target cpu`; tuned:
-    a tunedb.Tuned, None: the default database, False: none), else the default schedule.
+    a tunedb.Tuned, None: the default database, False: none), else the default schedule; a one-token step's
+    in one parallel task a thread (grain: its q heads over the threads; the same arithmetic).
 
     The layer ops (rms_norm with the residual add in place, silu_and_mul, rope in place) run TVM kernels in steps
     of up to CPU_LAYER_KERNEL_ROWS tokens (torch's beyond), the packed matmuls in steps of up to packed_rows. The
@@ -371,6 +373,8 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
         self.quant_kernels: dict[tuple, object] = {}
         self.layer_fns: dict[tuple, object] = {}  # layer-op key -> its CpuKernel
         self.tape: list | None = None  # (function, arguments) of each call while recording() is open
+        self.threads = len(os.sched_getaffinity(0))  # TVM's pool by default (set_threads changes it)
+        self._token_attention = None  # the one-token steps' attention kernel (one_token_attention)
 
     def raw_call(self, kern):
         """kern's function called positionally: its tensors in op.params() order, then its sizes. The first call
@@ -423,15 +427,31 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
             raise NotRecordable(f"{what} runs in torch at this size")
 
     def plan_step(self, num_tokens: int, num_seqs: int, max_kv_len: int):
-        """The step's attention kernel: the tuned one of its bucket, or None (the default kernel)."""
-        if self.tuned is None:
-            return None
+        """The step's attention kernel: the tuned one of its bucket; else a one-token step's one_token_attention,
+        any other step's None (the default kernel)."""
         from uacompile.lower.config import TVMConfig
 
-        config = self.tuned.config(self.ops.attention, num_tokens, num_seqs, max_kv_len)
-        if not isinstance(config, TVMConfig) or config.num_splits > 1:
-            return None
-        return self.cpu_kernel(ir.Kernel(self.ops.attention, config))  # loaded once per process
+        if self.tuned is not None:
+            config = self.tuned.config(self.ops.attention, num_tokens, num_seqs, max_kv_len)
+            if isinstance(config, TVMConfig) and config.num_splits == 1:
+                return self.cpu_kernel(ir.Kernel(self.ops.attention, config))  # loaded once per process
+        return self.one_token_attention() if num_tokens == 1 else None
+
+    def one_token_attention(self):
+        """The default attention schedule with a token's q heads split over the pool's threads, a task each (the
+        default's task a head costs more than one head's work at decode lengths)."""
+        from uacompile.lower.config import TVMConfig
+
+        if self._token_attention is None:
+            grain = -(-self.ops.attention.num_q_heads // self.threads)
+            self._token_attention = self.cpu_kernel(ir.Kernel(self.ops.attention, TVMConfig(grain=grain)))
+        return self._token_attention
+
+    def prepare(self, max_tokens: int, max_seqs: int, max_kv_len: int, progress: bool = False) -> dict:
+        """Build (or load) the one-token steps' attention kernel, so no decode step waits for TVM."""
+        t0 = time.perf_counter()
+        kern = self.one_token_attention()
+        return dict(kernels=1, cached=int(kern.cache_hit), seconds=time.perf_counter() - t0)
 
     def set_threads(self, n: int) -> None:
         """TVM's pool runs the kernels' parallel loops on n threads (at most TVM_NUM_THREADS: by default every CPU
@@ -439,6 +459,7 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
         from uacompile.lower.tvm_build import set_cpu_threads
 
         set_cpu_threads(n)
+        self.threads, self._token_attention = n, None
 
     def reshape_and_cache(self, k, v, slot_mapping, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
         kern = self.fns["reshape_and_cache"]
