@@ -9,6 +9,11 @@ pages; attention reads a sequence's pages up to its length only), so one tape se
 attention plan (plan_step) differs gets a tape of its own. The logits are the tape's tensor: each replay
 overwrites them.
 
+A model whose decode step reads under ONE_THREAD_BYTES of weights replays on one thread of TVM's pool when the
+backend runs more (its kernels are microseconds long: waking the pool for each costs more than the threads win,
+and on shared cores a descheduled pool thread stalls every launch); the pool's size is restored after each
+replay. The threads do not change the arithmetic (a parallel loop's tasks are independent rows).
+
 A model whose step the tape cannot hold (NotRecordable: a layer op that runs in torch at one token) or that does
 not compute in float32 runs every step through the executor's ordinary path.
 """
@@ -24,6 +29,7 @@ from .scheduler import ScheduledBatch
 from .step import StepInputs
 
 log = logging.getLogger("uacompile.runtime")
+ONE_THREAD_BYTES = 4 << 20  # models reading fewer weight bytes a decode step replay on one thread
 
 
 @dataclass
@@ -48,6 +54,8 @@ class CpuDecodeProgram:
         self._written: list[int] = []  # the block table the page table holds
         self.tapes: dict[int, _Tape] = {}  # id(plan) -> its tape
         self.plans: dict[int, object] = {}  # pages of the sequence -> the attention plan (plan_step) of its steps
+        self.small = executor.model.decode_read_bytes() < ONE_THREAD_BYTES  # replays on one thread
+        self.pool = None  # TVM's pool resizer (backend.threads_setter), made at the first one-thread replay
 
     def fits(self, batch: ScheduledBatch) -> bool:
         """One sequence computing its last token (known on the host), no cache moves, the backend running the
@@ -79,8 +87,17 @@ class CpuDecodeProgram:
         tape = self.tapes.get(id(plan))
         if tape is None:
             return self._record(seq, plan)
-        for fn, args in tape.calls:
-            fn(*args)
+        if not self.small or self.backend.threads == 1:
+            for fn, args in tape.calls:
+                fn(*args)
+            return tape.logits
+        self.pool = self.pool or self.backend.threads_setter()
+        self.pool(1)
+        try:
+            for fn, args in tape.calls:
+                fn(*args)
+        finally:
+            self.pool(self.backend.threads)
         return tape.logits
 
     def _record(self, seq, plan) -> torch.Tensor | None:

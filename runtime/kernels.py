@@ -461,6 +461,13 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
         set_cpu_threads(n)
         self.threads, self._token_attention = n, None
 
+    def threads_setter(self):
+        """A callable n -> None resizing TVM's pool to n threads at once (set_threads' call, unchecked), for a
+        caller that runs some calls on fewer threads than the backend's and then restores them."""
+        from uacompile.lower.tvm_build import cpu_threads_setter
+
+        return cpu_threads_setter()
+
     def reshape_and_cache(self, k, v, slot_mapping, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
         kern = self.fns["reshape_and_cache"]
         if self.ops.quantized:

@@ -1,20 +1,20 @@
 """cpu_decode.py on stories260K (tvm-cpu): a lone sequence's decode steps replayed from one recorded forward give
-the logits of the ordinary path bit for bit (float32 weights, and Q8_0 ones that run packed); the replay does
-recompute (poisoned logits are overwritten); batches of two, traced engines and models the tape cannot hold run the
-ordinary path."""
+the logits of the ordinary path bit for bit (float32 weights, and Q8_0 ones that run packed; a small model on two
+threads replays on one and gets the pool back); the replay does recompute (poisoned logits are overwritten); batches
+of two, traced engines and models the tape cannot hold run the ordinary path."""
 import pytest
 import torch
 
 from uacompile.models import STORIES260K
 from uacompile.runtime import LLM, SamplingParams
-from uacompile.runtime import kernels
+from uacompile.runtime import cpu_decode, kernels
 from uacompile.runtime.trace import Tracer
 
 PROMPT = "Once upon a time"
 
 
-def make_llm(**kw):
-    return LLM(model=str(STORIES260K), device="cpu", cpu_threads=1, progress=False, log_stats_interval=0, **kw)
+def make_llm(threads: int = 1, **kw):
+    return LLM(model=str(STORIES260K), device="cpu", cpu_threads=threads, progress=False, log_stats_interval=0, **kw)
 
 
 def decode(llm, n: int = 40, replay: bool = True, prompts=(PROMPT,)):
@@ -56,6 +56,26 @@ def test_replayed_decode_steps_give_the_ordinary_logits_bit_for_bit(llm):
     assert prog.enabled and len(prog.tapes) == 1  # recorded once, replayed by every later decode step
     assert_same(replayed, plain)
     assert len(plain[1][0]) == 40
+
+
+def test_a_small_model_on_two_threads_replays_on_one_and_restores_the_pool(monkeypatch):
+    llm = make_llm(threads=2)
+    backend, prog = llm.engine.kernels, llm.engine.executor.decode_program
+    assert prog.small and backend.threads == 2
+    sizes, real = [], backend.threads_setter()
+    monkeypatch.setattr(backend, "threads_setter", lambda: lambda n: sizes.append(n) or real(n))
+    plain = decode(llm, n=12, replay=False)
+    assert not sizes
+    assert_same(decode(llm, n=12), plain)
+    assert sizes == [1, 2] * 10  # every replay (the steps after the prompt's and the recorded one), restored after
+
+
+def test_a_model_over_the_one_thread_size_replays_on_every_thread(monkeypatch):
+    monkeypatch.setattr(cpu_decode, "ONE_THREAD_BYTES", 0)
+    llm = make_llm(threads=2)
+    prog = llm.engine.executor.decode_program
+    decode(llm, n=6)
+    assert not prog.small and prog.tapes and prog.pool is None
 
 
 def test_a_replay_recomputes_the_logits(llm):
