@@ -349,9 +349,9 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
     call checked.
 
     recording() opens a tape: every call made while it is open is also appended to it as (function, arguments), the
-    dense and packed projections as torch matmuls into their output tensors, so calling each function on
-    its arguments again repeats the step over the same tensors (cpu_decode). A call that would leave the tape incomplete (a torch
-    fallback, a copy made to get a contiguous tensor) raises NotRecordable there."""
+    dense and packed projections as torch matmuls into their output tensors, so calling each function on its
+    arguments again repeats the step over the same tensors (cpu_decode). A call that would leave the tape incomplete
+    (a torch fallback, a copy made to get a contiguous tensor) raises NotRecordable there."""
 
     name = "tvm-cpu"
 
@@ -610,7 +610,8 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
         x = self._recordable(x, "rope")
         H, D = x.shape[1], x.shape[2]
         kern = self.layer_fn(("rope", H, D, x.dtype, rope_theta, freq_factors),
-                             lambda: ir.Rope(H, D, ir.from_torch(x.dtype), float(rope_theta), freq_factors=freq_factors))
+                             lambda: ir.Rope(H, D, ir.from_torch(x.dtype), float(rope_theta),
+                                             freq_factors=freq_factors))
         self.launch(kern, x, positions, x.shape[0])
         return x
 

@@ -180,4 +180,5 @@ def _tvm_view(dtype: str, x):
     return x
 
 
-__all__ = ["cpu_kernel", "CpuKernel", "set_cpu_threads", "cpu_threads_setter", "build_cpu_library", "cpu_cache_key", "cpu_target", "host_cpu"]
+__all__ = ["cpu_kernel", "CpuKernel", "set_cpu_threads", "cpu_threads_setter", "build_cpu_library", "cpu_cache_key",
+           "cpu_target", "host_cpu"]
