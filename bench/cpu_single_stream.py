@@ -6,7 +6,8 @@
 Ours: LLM(model, device="cpu") with the default tvm-cpu kernels and quantization="auto": the GGUF's Q4_1 / Q8_0
 blocks stay packed and run TVM's quant_matmul kernels (steps over 16 tokens: decoded into a scratch buffer, then
 torch's matmul; a float checkpoint's projections are torch matmuls), the layer ops (RMSNorm, SiLU-and-mul, RoPE),
-cache write and attention TVM kernels; one request at a time, greedy, EOS ignored, prefix caching off, in a fresh
+cache write and attention TVM kernels, a decode step replaying the first one's recorded calls (runtime/cpu_decode.py);
+one request at a time, greedy, EOS ignored, prefix caching off, in a fresh
 process per thread count (cpu_threads = OMP_NUM_THREADS = TVM_NUM_THREADS = N). Decode tok/s: the tokens after the first over the time from
 the first token to the last (SmolLM2: 128 tokens, stories260K: 256, after a short prompt); prompt tok/s: a 512-token
 prompt over the time to its first token, with the engine's default scheduler (prefill in chunks of

@@ -13,7 +13,8 @@ without blocking; nothing here waits for the GPU, so the engine can build step n
 ids that step n is still sampling are coded -1 - j in the sequences and read from its ids on the device
 (step.fill_pending). Attention is planned once a step and run every layer. On CUDA, decode steps (one new token
 a sequence) replay a CUDA graph captured at start-up for their batch-size bucket and page-table width
-(graphs.py); prefill and mixed steps run eagerly.
+(graphs.py); prefill and mixed steps run eagerly. On the tvm-cpu backend, a lone sequence's decode steps replay
+the kernel calls of one recorded forward (cpu_decode.py).
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ import torch
 
 from uacompile import ir
 
+from .cpu_decode import CpuDecodeProgram
 from .graphs import DecodeGraphs
-from .kernels import KernelBackend
+from .kernels import KernelBackend, TVMCPUBackend
 from .model import LlamaForCausalLM
 from .offload import OffloadPlan, StreamCopies, SyncCopies
 from .scheduler import ScheduledBatch
@@ -67,6 +69,9 @@ class Executor:
             self.layer_caches.append((self.kv[i, 0], self.kv[i, 1], *scales))
         self.staging = Staging(device)
         self.graphs = None  # graphs.DecodeGraphs once captured (capture_graphs)
+        # tvm-cpu: a lone sequence's decode steps replay one recorded forward (cpu_decode)
+        self.decode_program = (CpuDecodeProgram(self, kernels, num_pages) if isinstance(kernels, TVMCPUBackend)
+                               else None)
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, progress: bool = True) -> float:
         """Capture the decode graphs (CUDA only); returns the seconds it took."""
@@ -135,6 +140,10 @@ class Executor:
         """Returns (sequences that sample, their next-token logits [N, V] float32, on the device). pending: the
         in-flight step's sampled ids on the device, where the batch's token ids code some of them (-1 - j)."""
         self.staging.flip()
+        if self.decode_program is not None and self.decode_program.fits(batch):
+            logits = self.decode_program.run(batch)
+            if logits is not None:
+                return list(batch.seqs), logits
         self.run_cache_ops(batch)
         if not batch.seqs:
             return [], torch.empty(0, self.model.cfg.vocab_size, device=self.device)

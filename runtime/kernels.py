@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from uacompile import binding, ir, reference
 from uacompile.errors import IRError
@@ -143,11 +147,11 @@ class TorchLayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def rope(self, x, positions, rope_theta: float, freq_factors: tuple, cos, sin):
+    def rope(self, x, positions, rope_theta: float, freq_factors: tuple, tables):
         """NeoX RoPE of x [T, H, D] at positions, of frequencies 1 / rope_theta^(2i / D) / freq_factors[i]
-        (ir.Rope), which the model's cos / sin tables [T, 1, D/2] hold too. Returns the rotated x (may be x itself,
-        rotated in place)."""
-        return apply_rope(x, cos, sin)
+        (ir.Rope), which the model's cos / sin tables [T, 1, D/2] (tables.get(), made at the first call) hold too.
+        Returns the rotated x (may be x itself, rotated in place)."""
+        return apply_rope(x, *tables.get())
 
 
 DECODE_ROWS = 64  # cuda: rows up to which a packed projection runs ir.QuantMatmul (decode batches)
@@ -255,7 +259,7 @@ class KernelLayerOps(PackedLinearOps):
             x=x, out=out)
         return out
 
-    def rope(self, x, positions, rope_theta: float, freq_factors: tuple, cos, sin):
+    def rope(self, x, positions, rope_theta: float, freq_factors: tuple, tables):
         x = x.contiguous()
         H, D = x.shape[1], x.shape[2]
         kern = self.layer_kernel(("rope", H, D, x.dtype, rope_theta, freq_factors),
@@ -340,17 +344,27 @@ class ReferenceBackend(KernelBackend):
             reference.run(op, **arrays)
 
 
+class NotRecordable(Exception):
+    """A call the tvm-cpu backend cannot put on a tape (a torch fallback, or a copy it would have to make)."""
+
+
 class TVMCPUBackend(PackedLinearOps, KernelBackend):
     """TVM-LLVM kernels (uacompile.lower.tvm_build.cpu_kernel), built once per op and cached on disk. A step's
     attention runs the tuning database's TVMConfig for the step's bucket (`uacompile tune --target cpu`; tuned:
-    a tunedb.Tuned, None: the default database, False: none), else the default schedule.
+    a tunedb.Tuned, None: the default database, False: none), else the default schedule; a one-token step's
+    in one parallel task a thread (grain: its q heads over the threads; the same arithmetic).
 
     The layer ops (rms_norm with the residual add in place, silu_and_mul, rope in place) run TVM kernels in steps
     of up to CPU_LAYER_KERNEL_ROWS tokens (torch's beyond), the packed matmuls in steps of up to packed_rows. The
     hot path calls each kernel's TVM function positionally (raw_call): its first call goes through the checked
     call (uacompile.binding: names, dtypes, shapes, layout), later ones straight to the function with the sizes
     read off the tensors, which the model, the executor and this backend make themselves in the shapes that first
-    call checked."""
+    call checked.
+
+    recording() opens a tape: every call made while it is open is also appended to it as (function, arguments), the
+    dense and packed projections as torch matmuls into their output tensors, so calling each function on its
+    arguments again repeats the step over the same tensors (cpu_decode). A call that would leave the tape incomplete
+    (a torch fallback, a copy made to get a contiguous tensor) raises NotRecordable there."""
 
     name = "tvm-cpu"
 
@@ -370,7 +384,10 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
         self.raw_fns: dict[int, object] = {}  # id(CpuKernel) -> its positional caller (raw_call)
         self.linear_plans: dict[int, tuple] = {}  # id(QuantLinear) -> (module, [(caller, weight, rows)])
         self.quant_kernels: dict[tuple, object] = {}
-        self.layer_fns: dict[tuple, object] = {}  # layer-op key -> positional caller
+        self.layer_fns: dict[tuple, object] = {}  # layer-op key -> its CpuKernel
+        self.tape: list | None = None  # (function, arguments) of each call while recording() is open
+        self.threads = len(os.sched_getaffinity(0))  # TVM's pool by default (set_threads changes it)
+        self._token_attention = None  # the one-token steps' attention kernel (one_token_attention)
 
     def raw_call(self, kern):
         """kern's function called positionally: its tensors in op.params() order, then its sizes. The first call
@@ -389,16 +406,65 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
             self.raw_fns[id(kern)] = fn
         return fn
 
+    def launch(self, kern, *args) -> None:
+        """kern called positionally (raw_call), and recorded on the open tape."""
+        self.raw_call(kern)(*args)
+        if self.tape is not None:
+            self.tape.append((self.raw_call(kern), args))
+
+    def _torch_call(self, fn, *args) -> None:
+        """A torch op writing its out= tensor, recorded on the open tape."""
+        fn(*args)
+        if self.tape is not None:
+            self.tape.append((fn, args))
+
+    @contextmanager
+    def recording(self):
+        """A tape of the calls made inside the block (see the class docstring)."""
+        self.tape = tape = []
+        try:
+            yield tape
+        finally:
+            self.tape = None
+
+    def _recordable(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """x contiguous: itself, or (no tape open) a contiguous copy."""
+        if x.is_contiguous():
+            return x
+        if self.tape is not None:
+            raise NotRecordable(f"{what}: a non-contiguous input would be copied")
+        return x.contiguous()
+
+    def _fallback(self, what: str) -> None:
+        if self.tape is not None:
+            raise NotRecordable(f"{what} runs in torch at this size")
+
     def plan_step(self, num_tokens: int, num_seqs: int, max_kv_len: int):
-        """The step's attention kernel: the tuned one of its bucket, or None (the default kernel)."""
-        if self.tuned is None:
-            return None
+        """The step's attention kernel: the tuned one of its bucket; else a one-token step's one_token_attention,
+        any other step's None (the default kernel)."""
         from uacompile.lower.config import TVMConfig
 
-        config = self.tuned.config(self.ops.attention, num_tokens, num_seqs, max_kv_len)
-        if not isinstance(config, TVMConfig) or config.num_splits > 1:
-            return None
-        return self.cpu_kernel(ir.Kernel(self.ops.attention, config))  # loaded once per process
+        if self.tuned is not None:
+            config = self.tuned.config(self.ops.attention, num_tokens, num_seqs, max_kv_len)
+            if isinstance(config, TVMConfig) and config.num_splits == 1:
+                return self.cpu_kernel(ir.Kernel(self.ops.attention, config))  # loaded once per process
+        return self.one_token_attention() if num_tokens == 1 else None
+
+    def one_token_attention(self):
+        """The default attention schedule with a token's q heads split over the pool's threads, a task each (the
+        default's task a head costs more than one head's work at decode lengths)."""
+        from uacompile.lower.config import TVMConfig
+
+        if self._token_attention is None:
+            grain = -(-self.ops.attention.num_q_heads // self.threads)
+            self._token_attention = self.cpu_kernel(ir.Kernel(self.ops.attention, TVMConfig(grain=grain)))
+        return self._token_attention
+
+    def prepare(self, max_tokens: int, max_seqs: int, max_kv_len: int, progress: bool = False) -> dict:
+        """Build (or load) the one-token steps' attention kernel, so no decode step waits for TVM."""
+        t0 = time.perf_counter()
+        kern = self.one_token_attention()
+        return dict(kernels=1, cached=int(kern.cache_hit), seconds=time.perf_counter() - t0)
 
     def set_threads(self, n: int) -> None:
         """TVM's pool runs the kernels' parallel loops on n threads (at most TVM_NUM_THREADS: by default every CPU
@@ -406,20 +472,27 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
         from uacompile.lower.tvm_build import set_cpu_threads
 
         set_cpu_threads(n)
+        self.threads, self._token_attention = n, None
+
+    def threads_setter(self):
+        """A callable n -> None resizing TVM's pool to n threads at once (set_threads' call, unchecked), for a
+        caller that runs some calls on fewer threads than the backend's and then restores them."""
+        from uacompile.lower.tvm_build import cpu_threads_setter
+
+        return cpu_threads_setter()
 
     def reshape_and_cache(self, k, v, slot_mapping, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
-        call = self.raw_call(self.fns["reshape_and_cache"])
+        kern = self.fns["reshape_and_cache"]
         if self.ops.quantized:
-            call(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, k.shape[0], k_cache.shape[0])
+            self.launch(kern, k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale, k.shape[0], k_cache.shape[0])
         else:
-            call(k, v, slot_mapping, k_cache, v_cache, k.shape[0], k_cache.shape[0])
+            self.launch(kern, k, v, slot_mapping, k_cache, v_cache, k.shape[0], k_cache.shape[0])
 
     def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out, plan=None,
                         k_scale=None, v_scale=None) -> None:
-        call = self.raw_call(plan or self.fns["paged_attention"])
         scales = (k_scale, v_scale) if self.ops.quantized else ()  # op.params(): the scales come before out
-        call(q, k_cache, v_cache, token_seq, page_table, token_kv_len, *scales, out, q.shape[0], page_table.shape[0],
-             page_table.shape[1], k_cache.shape[0])
+        self.launch(plan or self.fns["paged_attention"], q, k_cache, v_cache, token_seq, page_table, token_kv_len,
+                    *scales, out, q.shape[0], page_table.shape[0], page_table.shape[1], k_cache.shape[0])
 
     packed_rows = CPU_PACKED_ROWS
 
@@ -443,12 +516,11 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
         return kern
 
     def layer_fn(self, key: tuple, make_op):
-        """The positional caller (raw_call) of make_op()'s kernel, found by the plain-value key."""
-        fn = self.layer_fns.get(key)
-        if fn is None:
-            kern = self.cpu_kernel(make_op())
-            fn = self.layer_fns[key] = lambda *args: self.raw_call(kern)(*args)
-        return fn
+        """make_op()'s kernel (launch calls it), found by the plain-value key."""
+        kern = self.layer_fns.get(key)
+        if kern is None:
+            kern = self.layer_fns[key] = self.cpu_kernel(make_op())
+        return kern
 
     def linear_plan(self, module: QuantLinear, dtype: torch.dtype) -> list:
         """[(caller, packed weight, rows)] of a packed projection's runs of rows, made at its first decode step."""
@@ -464,51 +536,96 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
             entry = self.linear_plans[id(module)] = (module, dtype, runs)
         return entry[2]
 
+    def linear(self, module, x):
+        """TorchLayerOps.linear; with a tape open, a dense projection is torch.mm / addmm into its output (the
+        matmul F.linear runs) and a packed one's runs are joined by torch.cat into it, both recorded."""
+        if self.tape is None:
+            return super().linear(module, x)
+        x = self._recordable(x, "linear")
+        if isinstance(module, nn.Linear):
+            out = torch.empty((x.shape[0], module.out_features), dtype=x.dtype)
+            if module.bias is None:
+                self._torch_call(partial(torch.mm, out=out), x, module.weight.t())
+            else:
+                self._torch_call(partial(torch.addmm, out=out), module.bias, x, module.weight.t())
+            return out
+        if not isinstance(module, QuantLinear):
+            raise NotRecordable(f"linear: {type(module).__name__} is not recorded")
+        outs = self.packed_runs(module, x)
+        y = outs[0]
+        if len(outs) > 1:
+            y = torch.empty((x.shape[0], module.out_features), dtype=x.dtype)
+            self._torch_call(partial(torch.cat, dim=-1, out=y), outs)
+        if module.bias is not None:
+            self._torch_call(partial(torch.add, out=y), y, module.bias)
+        return y
+
+    def embed(self, module, ids):
+        """TorchLayerOps.embed; with a tape open, the rows are gathered by a recorded torch.index_select."""
+        if self.tape is None:
+            return super().embed(module, ids)
+        if isinstance(module, QuantEmbedding):
+            E, fmt, dt = module.embedding_dim, module.weight_format, module.dtype
+            rows = torch.empty((ids.shape[0], module.weight.shape[1]), dtype=module.weight.dtype)
+            self._torch_call(partial(torch.index_select, out=rows), module.weight, 0, ids)
+            out = torch.empty((ids.shape[0], E), dtype=dt)
+            self.launch(self.quant_kernel(("dequantize", E, fmt, dt), lambda: ir.Dequantize(E, fmt, ir.from_torch(dt))),
+                        rows, out, ids.shape[0])
+            return out
+        out = torch.empty((ids.shape[0], module.weight.shape[1]), dtype=module.weight.dtype)
+        self._torch_call(partial(torch.index_select, out=out), module.weight, 0, ids)
+        return out
+
     def packed_runs(self, module: QuantLinear, x) -> list:
         if x.shape[0] > self.packed_rows:
+            self._fallback("a packed projection")
             return super().packed_runs(module, x)
-        x = x.contiguous()
+        x = self._recordable(x, "packed projection")
         T, dt = x.shape[0], x.dtype
         outs = []
         for kern, w, rows in self.linear_plan(module, dt):
             out = torch.empty((T, rows), dtype=dt)
-            self.raw_call(kern)(x, w, out, T)
+            self.launch(kern, x, w, out, T)
             outs.append(out)
         return outs
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         """The kernel's rms_norm: with residual, residual += x and x = norm(residual), in place."""
         if not 0 < x.shape[0] <= CPU_LAYER_KERNEL_ROWS["rms_norm"]:
+            self._fallback("rms_norm")
             return super().rms_norm(x, weight, eps, residual)
-        x = x.contiguous()
+        x = self._recordable(x, "rms_norm")
         res = residual is not None
-        fn = self.layer_fn(("rms_norm", x.shape[-1], x.dtype, eps, res),
-                           lambda: ir.RMSNorm(x.shape[-1], ir.from_torch(x.dtype), float(eps), res))
+        kern = self.layer_fn(("rms_norm", x.shape[-1], x.dtype, eps, res),
+                             lambda: ir.RMSNorm(x.shape[-1], ir.from_torch(x.dtype), float(eps), res))
         if not res:
             out = torch.empty_like(x)
-            fn(x, weight, out, x.shape[0])
+            self.launch(kern, x, weight, out, x.shape[0])
             return out
-        fn(x, residual, weight, x, x.shape[0])
+        self.launch(kern, x, residual, weight, x, x.shape[0])
         return x, residual
 
     def silu_and_mul(self, x):
         if not 0 < x.shape[0] <= CPU_LAYER_KERNEL_ROWS["silu_and_mul"]:
+            self._fallback("silu_and_mul")
             return super().silu_and_mul(x)
-        x = x.contiguous()
+        x = self._recordable(x, "silu_and_mul")
         inter = x.shape[1] // 2
         out = torch.empty((x.shape[0], inter), dtype=x.dtype)
-        self.layer_fn(("silu_and_mul", inter, x.dtype), lambda: ir.SiluAndMul(inter, ir.from_torch(x.dtype)))(
-            x, out, x.shape[0])
+        kern = self.layer_fn(("silu_and_mul", inter, x.dtype), lambda: ir.SiluAndMul(inter, ir.from_torch(x.dtype)))
+        self.launch(kern, x, out, x.shape[0])
         return out
 
-    def rope(self, x, positions, rope_theta: float, freq_factors: tuple, cos, sin):
+    def rope(self, x, positions, rope_theta: float, freq_factors: tuple, tables):
         if not 0 < x.shape[0] <= CPU_LAYER_KERNEL_ROWS["rope"]:
-            return super().rope(x, positions, rope_theta, freq_factors, cos, sin)
-        x = x.contiguous()
+            self._fallback("rope")
+            return super().rope(x, positions, rope_theta, freq_factors, tables)
+        x = self._recordable(x, "rope")
         H, D = x.shape[1], x.shape[2]
-        self.layer_fn(("rope", H, D, x.dtype, rope_theta, freq_factors),
-                      lambda: ir.Rope(H, D, ir.from_torch(x.dtype), float(rope_theta), freq_factors=freq_factors))(
-            x, positions, x.shape[0])
+        kern = self.layer_fn(("rope", H, D, x.dtype, rope_theta, freq_factors),
+                             lambda: ir.Rope(H, D, ir.from_torch(x.dtype), float(rope_theta),
+                                             freq_factors=freq_factors))
+        self.launch(kern, x, positions, x.shape[0])
         return x
 
     def run(self, op, **tensors):

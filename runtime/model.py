@@ -130,6 +130,23 @@ def rope_freq_factors(cfg: ModelConfig, inv_freq: torch.Tensor) -> tuple[float, 
     return () if bool((factors == 1).all()) else tuple(factors.tolist())
 
 
+@dataclass(slots=True)
+class RopeTables:
+    """The torch RoPE's cos / sin tables [T, 1, D/2] of a step's positions, made at the first get() (a backend's
+    rope kernel works out its own angles and never asks)."""
+
+    inv_freq: torch.Tensor  # [D/2] float64
+    positions: torch.Tensor
+    dtype: torch.dtype
+    tables: tuple | None = None
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tables is None:
+            ang = self.positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # float64: exact at long positions
+            self.tables = ang.cos().to(self.dtype)[:, None, :], ang.sin().to(self.dtype)[:, None, :]
+        return self.tables
+
+
 class RMSNorm(nn.Module):
     """A norm's weight (HF name `weight`) and eps; the model runs it through its layer ops."""
 
@@ -265,9 +282,8 @@ class LlamaForCausalLM(nn.Module):
         self.inv_freq = inv.to(self.model.embed_tokens.weight.device)
         self.rope_freq_factors = rope_freq_factors(self.cfg, inv)
 
-    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        ang = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # float64: exact at long positions
-        return ang.cos().to(dtype)[:, None, :], ang.sin().to(dtype)[:, None, :]
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        return RopeTables(self.inv_freq, positions, dtype)
 
     def fuse(self) -> None:
         """Merge each layer's q/k/v and gate/up projections into one matmul each (biases merged too); on the
@@ -307,11 +323,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         ops = self.layer_backend
         x = ops.embed(self.model.embed_tokens, input_ids)
-        cos, sin = self.rope_tables(positions, x.dtype)  # the torch RoPE's tables
+        tables = self.rope_tables(positions, x.dtype)  # the torch RoPE's, made if it runs
         theta, factors = self.cfg.rope_theta, self.rope_freq_factors
 
         def rope(t):
-            return ops.rope(t, positions, theta, factors, cos, sin)
+            return ops.rope(t, positions, theta, factors, tables)
 
         residual = None
         for layer in self.model.layers:

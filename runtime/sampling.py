@@ -192,6 +192,9 @@ class Sampler:
         if not seqs:
             return PendingSample([], torch.empty(0, dtype=torch.int64, device=dev),
                                  {"tokens": torch.empty(0, dtype=torch.int64)}, [], None)
+        if dev.type == "cpu" and all(s.params.argmax_only for s in seqs):  # the ids are on the host already
+            tokens = torch.argmax(logits, dim=-1)
+            return PendingSample(list(seqs), tokens, {"tokens": tokens}, [], None)
         raw = logits.float()
         x = apply_penalties(apply_logit_bias(raw, seqs), seqs)
         greedy = [s.params.greedy for s in seqs]

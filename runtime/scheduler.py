@@ -279,7 +279,7 @@ class Scheduler:
                 take(seq, num_new, copies)
 
         # 3. new (or recompute-preempted) requests
-        if not self.swapped and not preempted:
+        if self.waiting and not self.swapped and not preempted:
             prefilling = {self._group(s) for s in self.running if s.num_computed_tokens < s.num_prompt_tokens}
             for seq in self.ordered_waiting():
                 if budget == 0 or self._num_active() >= c.max_num_seqs or len(batch.seqs) >= c.max_num_seqs:

@@ -95,6 +95,11 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing applied to the logits first and no log-probabilities asked: the token is the argmax."""
+        return self.greedy and not self.logit_bias and not self.has_penalties and self.logprobs is None
+
+    @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 

@@ -1,5 +1,6 @@
 """runtime/kernels.py's tvm-cpu backend with a tuning database: a step's attention runs the tuned TVMConfig of its
-bucket (the same tokens as the default schedule), the default kernel where there is no current record."""
+bucket (the same tokens as the default schedule), the default kernel where there is no current record (a one-token
+step's in one parallel task a thread, bit for bit the default's)."""
 import numpy as np
 import pytest
 import torch
@@ -43,6 +44,23 @@ def test_plan_step_takes_the_tuned_kernel_of_the_bucket(tmp_path, rng):
     backend = TVMCPUBackend(OPS, tuned=Tuned(db_with(tmp_path / "s.json", ["decode:4x512"], stale), "cpu", env))
     assert backend.plan_step(4, 4, 300) is None
     assert TVMCPUBackend(OPS, tuned=False).plan_step(4, 4, 300) is None
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_one_token_steps_run_a_task_a_thread_bit_for_bit(threads, rng):
+    backend = TVMCPUBackend(OPS, tuned=False)
+    backend.threads = threads  # the grain is worked out from it (set_threads would resize the process's pool)
+    k = backend.plan_step(1, 1, 300)
+    assert k.op.config == TVMConfig(grain=-(-8 // threads)) and backend.plan_step(1, 1, 40) is k
+    inp = testing.attention_inputs(OPS.attention, rng, [300])
+    t = {n: torch.from_numpy(v) for n, v in inp.items() if isinstance(v, np.ndarray)}
+    outs = []
+    for plan in (k, None):
+        out = torch.full_like(t["q"], float("nan"))
+        backend.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["token_seq"], t["page_table"],
+                                t["token_kv_len"], out, plan=plan)
+        outs.append(out)
+    assert bool(torch.isfinite(outs[0]).all()) and torch.equal(outs[0], outs[1])
 
 
 def test_the_runtime_serves_with_the_default_databases_records(tmp_path, monkeypatch):

@@ -159,3 +159,18 @@ def test_cuda_sampler_matches_cpu_greedy_and_is_batch_invariant(rng):
     alone = [Sampler().sample([seq(0, p)], x[i:i + 1].cuda()).tokens[0] for i in range(4)]
     together = Sampler().sample([seq(i, p) for i in range(4)], x.cuda()).tokens
     assert [together[i] for i in range(4)] == alone
+
+
+def test_argmax_only_rows_take_the_first_maximum_and_the_others_their_options(rng):
+    x = logits_for(rng, 3)
+    x[0, 7] = x[0, 9] = x[0].max() + 1  # a tie: the first index wins, as torch.argmax gives it
+    plain = SamplingParams(temperature=0)
+    assert plain.argmax_only and SamplingParams(top_k=1).argmax_only
+    others = [SamplingParams(temperature=0, logit_bias={3: 100.0}), SamplingParams(temperature=0, logprobs=1),
+              SamplingParams(temperature=0, repetition_penalty=1.5), SamplingParams(temperature=0.5)]
+    assert not any(p.argmax_only for p in others)
+    assert Sampler().sample([seq(0, plain)], x[:1]).tokens == {0: 7}
+    biased = Sampler().sample([seq(0, plain), seq(1, others[0])], x[:2])
+    assert biased.tokens == {0: 7, 1: 3}
+    fast = Sampler().launch([seq(i, plain) for i in range(3)], x)
+    assert fast.result().tokens == {i: int(x[i].argmax()) for i in range(3)}

@@ -103,6 +103,16 @@ def set_cpu_threads(n: int) -> None:
     tvm_ffi.get_global_func("runtime.config_threadpool")(1, n)  # 1: TVM's kBig affinity mode (its default)
 
 
+def cpu_threads_setter():
+    """set_cpu_threads without its checks or look-ups, for a caller that resizes the pool every step: a callable
+    n -> None (n: an int >= 1)."""
+    import tvm_ffi
+
+    _tvm_runtime()
+    config = tvm_ffi.get_global_func("runtime.config_threadpool")
+    return lambda n: config(1, n)
+
+
 def build_cpu_library(op: OpSpec, out_dir: Path) -> Path:
     """Compile op's TIR for the CPU and export it as out_dir/kernel.so (+ kernel.json)."""
     import tvm
@@ -170,4 +180,5 @@ def _tvm_view(dtype: str, x):
     return x
 
 
-__all__ = ["cpu_kernel", "CpuKernel", "set_cpu_threads", "build_cpu_library", "cpu_cache_key", "cpu_target", "host_cpu"]
+__all__ = ["cpu_kernel", "CpuKernel", "set_cpu_threads", "cpu_threads_setter", "build_cpu_library", "cpu_cache_key",
+           "cpu_target", "host_cpu"]
