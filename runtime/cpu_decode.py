@@ -58,9 +58,11 @@ class CpuDecodeProgram:
         self.pool = None  # TVM's pool resizer (backend.threads_setter), made at the first one-thread replay
 
     def fits(self, batch: ScheduledBatch) -> bool:
-        """One sequence computing its last token (known on the host), no cache moves, the backend running the
+        """One sequence computing its last token (known on the host), no cache ops (compaction moves, swaps,
+        copy-on-write, offload copies: Executor.run_cache_ops runs them), the backend running the
         model's layer ops and not wrapped (a tracer's TracedKernels sees every call)."""
-        if not self.enabled or len(batch.seqs) != 1 or batch.swap_out or batch.swap_in or batch.copies:
+        if (not self.enabled or len(batch.seqs) != 1 or batch.moves or batch.swap_out or batch.swap_in or batch.copies
+                or batch.offload):
             return False
         seq = batch.seqs[0]
         pos = seq.num_computed_tokens
