@@ -320,6 +320,8 @@ def _add_serve(sub) -> None:
     s.add_argument("--seed", type=int, default=None, help="seed of requests that bring none")
     s.add_argument("--max-queue", type=int, default=256,
                    help="requests accepted beyond --max-num-seqs before answering 503")
+    s.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                   help="longest request body; a longer one gets 413 (default: 4 MiB)")
     s.add_argument("--trace", default=None, metavar="FILE",
                    help="write a Chrome-trace JSON of steps, kernel calls and KV events (the first 500k) at shutdown")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging level (default: info)")
