@@ -19,6 +19,8 @@ import asyncio
 import hmac
 import json
 import logging
+import os
+import socket
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -829,11 +831,48 @@ def _sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None) -> 
 
 
 # ---- entry point --------------------------------------------------------------------------------
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now (before the model loads) so a bad or busy port is found at once."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+    try:
+        # getaddrinfo's proto (IPPROTO_TCP) is what lets asyncio set TCP_NODELAY on the accepted connections
+        family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock = socket.socket(family, type_, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def check_output_path(path: str, what: str) -> None:
+    """A file the server writes later (at shutdown): its folder must exist and both must be writable."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what} {path} is a directory")
+    folder = p.parent
+    if not folder.is_dir():
+        raise ValueError(f"{what} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"{what} {path} is not writable")
+
+
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, trace: str | None = None, max_queue: int = 256,
           log_level: str = "info", max_request_bytes: int = ServerConfig.max_request_bytes, **engine_kwargs) -> None:
-    """Load the model and serve until interrupted (the `uacompile serve` command)."""
+    """Load the model and serve until interrupted (the `uacompile serve` command). The port and the trace path
+    are checked before the model loads; the socket bound then is the one served on."""
     import uvicorn
+
+    if trace:
+        check_output_path(trace, "--trace")
+    sock = listen_socket(host, port)
 
     from .engine import Engine, EngineConfig
     from .llm import ENGINE_OPTIONS
@@ -851,5 +890,14 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     app = build_app(aengine, ServerConfig(name, api_key, max_request_bytes=max_request_bytes), tracer, trace)
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", model, name, host, port,
              engine.scheduler.config.max_model_len)
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the signal again once it has shut down
+        pass
+    finally:
+        sock.close()
+    if not server.started:
+        raise RuntimeError("the server did not start (see the log above)")
 

@@ -453,13 +453,34 @@ def test_serve_command_writes_a_chrome_trace(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [(["--model", "/nonexistent.gguf"], "does not exist"),
                                          (["--model", "MODEL", "--policy", "lifo"], "policy must be one of"),
-                                         (["--model", "MODEL", "--page-size", "0"], "page_size must be")])
+                                         (["--model", "MODEL", "--page-size", "0"], "page_size must be"),
+                                         # checked before the model loads: the model's error never comes
+                                         (["--model", "/nonexistent.gguf", "--port", "99999"],
+                                          "port must be an int in [0, 65535], got 99999"),
+                                         (["--model", "/nonexistent.gguf", "--trace", "/nonexistent/t.json"],
+                                          "--trace /nonexistent/t.json: the folder /nonexistent does not exist"),
+                                         (["--model", "/nonexistent.gguf", "--trace", "/"], "is a directory")])
 def test_serve_command_errors_are_one_line(capsys, args, needle):
     from uacompile.cli import main
 
-    assert main(["serve", *[stories_path() if a == "MODEL" else a for a in args]]) == 2
+    port = [] if "--port" in args else ["--port", "0"]
+    assert main(["serve", *port, *[stories_path() if a == "MODEL" else a for a in args]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and err.startswith("uacompile: error:"), err
+
+
+def test_serve_command_port_in_use_is_one_line_before_the_model_loads(capsys):
+    import socket
+
+    from uacompile.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--model", "/nonexistent.gguf", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in err, err
 
 
 # ---- as the openai SDK sees it ------------------------------------------------------------------
@@ -646,3 +667,17 @@ def test_tokenising_runs_off_the_event_loop():
             r = httpx.post(url + path, json=body)
             assert r.status_code == 400 and "1001 characters; at most 1000" in r.json()["error"]["message"], r.text
         assert len(calls) == n
+
+
+def test_listen_socket_is_tcp_for_nodelay():
+    """serve binds its socket itself; asyncio sets TCP_NODELAY on accepted connections only when the listening
+    socket's proto is IPPROTO_TCP (without it a keep-alive /health waits out a delayed ACK)."""
+    import socket
+
+    from uacompile.runtime.server import listen_socket
+
+    for host in ("127.0.0.1", "localhost"):
+        with listen_socket(host, 0) as sock:
+            assert sock.proto == socket.IPPROTO_TCP and sock.type == socket.SOCK_STREAM
+    with pytest.raises(OSError, match="cannot listen on no-such-host.invalid:80"):
+        listen_socket("no-such-host.invalid", 80)
