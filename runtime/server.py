@@ -5,7 +5,13 @@ Routes: /v1/completions, /v1/chat/completions (both with SSE streaming), /v1/mod
 OpenAI-style error body; a full queue gets 503 with Retry-After; with an API key, /v1/* and
 /completion want `Authorization: Bearer KEY`. A client that disconnects has its request aborted,
 which frees its pages before the engine's next step. Each response carries the request's timing
-(TTFT, TPOT, inter-token latency, end to end) in a `timings` field, also logged at INFO.
+(TTFT, TPOT, inter-token latency, end to end) in a `timings` field (a stream: in its last content
+chunk), also logged at INFO.
+
+No request can stall the event loop or crash a handler: bodies are application/json only and at most
+`max_request_bytes` (413); JSON parsing, tokenising and chat-template rendering run in a worker
+thread, after caps checked first (JSON depth, prompt characters, stop strings: 400); every error,
+the framework's 404 / 405 / 422 included, has OpenAI's `{"error": {...}}` shape.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ import asyncio
 import hmac
 import json
 import logging
+import os
+import socket
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -21,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -62,6 +72,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
 
 
 class _Sampling(_Body):
@@ -220,6 +231,17 @@ class ServerConfig:
     model_name: str
     api_key: str | None = None
     max_n: int = 16
+    max_request_bytes: int = 4 * 2 ** 20   # a longer body gets 413 before it is read on
+    max_json_depth: int = 64                # nesting of arrays / objects in a body
+    max_stop_strings: int = 32
+    max_stop_chars: int = 256               # of one stop string
+    max_prompt_chars: int | None = None     # default: max_model_len x the longest token's text x 2
+
+    def __post_init__(self):
+        for name in ("max_n", "max_request_bytes", "max_json_depth", "max_stop_strings", "max_stop_chars"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
 
 def _now() -> int:
@@ -231,32 +253,63 @@ def _sse(obj) -> bytes:
 
 
 def _sse_response(served, streams, rid: str, obj: str, model: str, body, head: list, choices_of):
-    """The SSE stream of an OpenAI response: a chunk a head choice, then each step's choices_of(i, events) (nothing
-    when empty), a last chunk with the timings (and usage when asked), [DONE]; the requests are aborted when the
-    stream ends or the client goes."""
-    def chunk(choices):
-        return _sse({"id": rid, "object": obj, "created": _now(), "model": model, "choices": choices})
+    """The SSE stream of an OpenAI response, as OpenAI sends it: a chunk a head choice, then each step's
+    choices_of(i, events) (nothing when empty), [DONE]. The last chunk that finishes a choice also carries the
+    requests' `timings`. With stream_options.include_usage every chunk has `usage: null` and a last chunk with
+    empty choices has the usage; with continuous_usage_stats too (vLLM's option) every chunk has the usage so
+    far. The requests are aborted when the stream ends or the client goes."""
+    opts = body.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts.continuous_usage_stats)
+    prompt_tokens = sum(s.timing.num_prompt_tokens for s in streams)
+
+    def chunk(choices, completion_tokens: int) -> dict:
+        c = {"id": rid, "object": obj, "created": _now(), "model": model, "choices": choices}
+        if continuous:
+            c["usage"] = _usage(prompt_tokens, completion_tokens)
+        elif include_usage:
+            c["usage"] = None
+        return c
 
     async def events():
+        generated = 0
+        held = None  # a chunk that finishes a choice waits for the next one: the last gets the timings
         try:
             for choice in head:
-                yield chunk([choice])
+                yield _sse(chunk([choice], 0))
             async for i, evs in served.merged(streams):
+                generated += sum(len(e.token_ids) for e in evs)
                 choices = choices_of(i, evs)
-                if choices:
-                    yield chunk(choices)
-            last = {"id": rid, "object": obj, "created": _now(), "model": model, "choices": [],
-                    "timings": served.timings(streams)}
-            if body.stream_options and body.stream_options.include_usage:
-                last["usage"] = served.usage(streams)
-            yield _sse(last)
+                if not choices:
+                    continue
+                if held is not None:
+                    yield _sse(held)
+                    held = None
+                c = chunk(choices, generated)
+                if any(ch.get("finish_reason") for ch in choices):
+                    held = c
+                else:
+                    yield _sse(c)
+            if held is not None:
+                held["timings"] = served.timings(streams)
+                yield _sse(held)
+                held = None
+            if include_usage:
+                yield _sse({**chunk([], generated), "usage": served.usage(streams)})
             yield b"data: [DONE]\n\n"
         except APIError as e:
+            if held is not None:
+                yield _sse(held)
             yield _sse({"error": {"message": e.message, "type": e.type}})
         finally:
             served.abort(streams)
 
     return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(served.abort, streams))
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 async def _collect(served, streams, index_of) -> dict:
@@ -271,19 +324,61 @@ async def _collect(served, streams, index_of) -> dict:
     return got
 
 
-async def _json_body(request: Request, model: type[BaseModel]):
-    raw = await request.body()
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to be longer than `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body has {declared} bytes; the limit is {limit}",
+                       code="request_too_large")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise APIError(413, f"the request body is longer than the limit of {limit} bytes",
+                           code="request_too_large")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _json_depth_over(data, limit: int) -> bool:
+    """Whether arrays / objects nest deeper than `limit` (walked without recursion)."""
+    stack = [(data, 1)]
+    while stack:
+        v, d = stack.pop()
+        children = v.values() if isinstance(v, dict) else v
+        if d > limit:
+            return True
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _parse_body(raw: bytes, model: type[BaseModel], max_depth: int):
+    """The validated body (run in a worker thread: parsing a few MB takes a while)."""
     try:
         data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {max_depth} levels") from None
     except (ValueError, UnicodeDecodeError):
         raise APIError(400, "the request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    if _json_depth_over(data, max_depth):
+        raise APIError(400, f"the request body nests deeper than {max_depth} levels")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         msg, param = _validation_message(e)
         raise APIError(400, msg, param=param) from None
+
+
+def _longest_token_chars(tokenizer, vocab_size: int) -> int:
+    longest = 1
+    for t in range(vocab_size):
+        try:
+            longest = max(longest, len(tokenizer.token_text(t)))
+        except Exception:  # noqa: BLE001  (a token without text bounds nothing)
+            continue
+    return longest
 
 
 def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
@@ -313,17 +408,76 @@ class _Served:
         self.engine = aengine.engine
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.scheduler.config.max_model_len
+        self.max_prompt_chars = cfg.max_prompt_chars
+        if self.max_prompt_chars is None:
+            # more characters need more tokens than the context holds (the 2 leaves room for normalisation)
+            longest = _longest_token_chars(self.tokenizer, self.engine.model.cfg.vocab_size) if self.tokenizer else 1
+            self.max_prompt_chars = self.max_model_len * longest * 2
+
+    async def body(self, request: Request, model: type[BaseModel]):
+        """The request's body as `model`: application/json only, size-capped, parsed off the event loop."""
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";")[0].strip().lower() != "application/json":
+            raise APIError(415, f"the request body must be application/json, got {ctype or 'no content-type'!r}",
+                           code="unsupported_media_type")
+        raw = await _read_body(request, self.cfg.max_request_bytes)
+        return await asyncio.to_thread(_parse_body, raw, model, self.cfg.max_json_depth)
+
+    def check_chars(self, n: int, param: str) -> None:
+        if n > self.max_prompt_chars:
+            raise APIError(400, f"the prompt has {n} characters; at most {self.max_prompt_chars} can fit this "
+                                f"model's context of {self.max_model_len} tokens", param=param)
+
+    def check_stop(self, stop) -> None:
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stops) > self.cfg.max_stop_strings:
+            raise APIError(400, f"stop has {len(stops)} strings; at most {self.cfg.max_stop_strings} are allowed",
+                           param="stop")
+        long = next((s for s in stops if len(s) > self.cfg.max_stop_chars), None)
+        if long is not None:
+            raise APIError(400, f"a stop string has {len(long)} characters; at most {self.cfg.max_stop_chars} "
+                                f"are allowed", param="stop")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.cfg.model_name:
             raise APIError(404, f"model {name!r} does not exist; this server serves {self.cfg.model_name!r}",
                            param="model", code="model_not_found")
 
-    def encode(self, prompt) -> list[int]:
+    def _encode(self, prompt) -> list[int]:
         try:
             return self.engine.encode_prompt(prompt)[1]
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="prompt") from None
+
+    async def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt (text or ids), tokenised in a worker thread after the length cap."""
+        if isinstance(prompt, str):
+            self.check_chars(len(prompt), "prompt")
+        elif isinstance(prompt, list) and len(prompt) > self.max_model_len:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is "
+                                f"{self.max_model_len} tokens", param="prompt")
+        return await asyncio.to_thread(self._encode, prompt)
+
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Token ids of a chat: the template rendered and tokenised in a worker thread after the length cap."""
+        chars = 0
+        for m in messages:
+            c = m.get("content")
+            if isinstance(c, str):
+                chars += len(c)
+            elif isinstance(c, list):
+                chars += sum(len(p["text"]) for p in c if isinstance(p.get("text"), str))
+        self.check_chars(chars, "messages")
+
+        def work():
+            try:
+                ids = chat.encode(self.tokenizer, chat.render(self.tokenizer, messages, add_generation_prompt))
+            except (ValueError, TypeError) as e:
+                raise APIError(400, str(e), param="messages") from None
+            self._encode(ids)  # vocabulary and emptiness checks
+            return ids
+
+        return await asyncio.to_thread(work)
 
     def max_tokens(self, requested: int | None, prompt_len: int, default: int | None) -> int:
         room = self.max_model_len - prompt_len
@@ -391,9 +545,8 @@ class _Served:
                 t.cancel()
 
     def usage(self, streams: list[RequestStream]) -> dict:
-        p = sum(s.timing.num_prompt_tokens for s in streams)
-        c = sum(s.timing.num_output_tokens for s in streams)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return _usage(sum(s.timing.num_prompt_tokens for s in streams),
+                      sum(s.timing.num_output_tokens for s in streams))
 
     @staticmethod
     def timings(streams: list[RequestStream]):
@@ -467,6 +620,20 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
     async def api_error(request, e: APIError):
         return e.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        where = f"{request.method} {request.url.path}"
+        message, code = {404: (f"Invalid URL ({where})", "not_found"),
+                         405: (f"method not allowed ({where})", "method_not_allowed")}.get(
+            e.status_code, (str(e.detail), None))
+        return APIError(e.status_code, message, code=code, headers=getattr(e, "headers", None)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e: RequestValidationError):
+        err = (e.errors() or [{}])[0]
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        return APIError(422, f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")), param=loc or None).response()
+
     @app.exception_handler(Exception)
     async def unexpected(request, e: Exception):
         log.exception("unhandled error on %s", request.url.path)
@@ -493,15 +660,25 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card() -> dict:
+        return {"id": cfg.model_name, "object": "model", "created": _now(), "owned_by": "uacompile",
+                "max_model_len": served.max_model_len}
+
     @app.get("/v1/models", dependencies=protected)
     async def models():
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": _now(),
-                                            "owned_by": "uacompile", "max_model_len": served.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=protected)
+    async def model(model_id: str):
+        if model_id != cfg.model_name:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {cfg.model_name!r}",
+                           param="model", code="model_not_found")
+        return model_card()
 
     # -- /v1/completions
     @app.post("/v1/completions", dependencies=protected)
     async def completions(request: Request):
-        body: CompletionBody = await _json_body(request, CompletionBody)
+        body: CompletionBody = await served.body(request, CompletionBody)
         served.check_model(body.model)
         served.check_n(body.n)
         prompt = body.prompt
@@ -511,7 +688,9 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
             prompts = list(prompt)
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        ids = [served.encode(p) for p in prompts]
+        _check_stream_options(body)
+        served.check_stop(body.stop)
+        ids = [await served.encode(p) for p in prompts]
         max_tokens = min(served.max_tokens(body.max_tokens, len(i), 16) for i in ids)
         params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -543,19 +722,16 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
     # -- /v1/chat/completions
     @app.post("/v1/chat/completions", dependencies=protected)
     async def chat_completions(request: Request):
-        body: ChatBody = await _json_body(request, ChatBody)
+        body: ChatBody = await served.body(request, ChatBody)
         served.check_model(body.model)
         served.check_n(body.n)
         if served.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; use /v1/completions with token ids")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        try:
-            text = chat.render(served.tokenizer, [m.model_dump() for m in body.messages], body.add_generation_prompt)
-            ids = chat.encode(served.tokenizer, text)
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), param="messages") from None
-        served.encode(ids)  # vocabulary and emptiness checks
+        _check_stream_options(body)
+        served.check_stop(body.stop)
+        ids = await served.encode_chat([m.model_dump() for m in body.messages], body.add_generation_prompt)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling_params(body, served.max_tokens(requested, len(ids), None),
                                   logprobs=(body.top_logprobs or 0) if body.logprobs else None)
@@ -585,8 +761,9 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
     # -- llama.cpp's /completion
     @app.post("/completion", dependencies=protected)
     async def llama_completion(request: Request):
-        body: LlamaCppBody = await _json_body(request, LlamaCppBody)
-        ids = served.encode(body.prompt)
+        body: LlamaCppBody = await served.body(request, LlamaCppBody)
+        served.check_stop(body.stop)
+        ids = await served.encode(body.prompt)
         if body.n_probs < 0:
             raise APIError(400, f"n_probs must be >= 0, got {body.n_probs}", param="n_probs")
         params = _params(max_tokens=served.max_tokens(None if body.n_predict < 0 else body.n_predict or 1,
@@ -640,6 +817,11 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
     return app
 
 
+def _check_stream_options(body: _Sampling) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+
 def _sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
     return _params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                    min_p=body.min_p, presence_penalty=body.presence_penalty,
@@ -649,11 +831,48 @@ def _sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None) -> 
 
 
 # ---- entry point --------------------------------------------------------------------------------
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now (before the model loads) so a bad or busy port is found at once."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+    try:
+        # getaddrinfo's proto (IPPROTO_TCP) is what lets asyncio set TCP_NODELAY on the accepted connections
+        family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock = socket.socket(family, type_, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def check_output_path(path: str, what: str) -> None:
+    """A file the server writes later (at shutdown): its folder must exist and both must be writable."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what} {path} is a directory")
+    folder = p.parent
+    if not folder.is_dir():
+        raise ValueError(f"{what} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"{what} {path} is not writable")
+
+
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, trace: str | None = None, max_queue: int = 256,
-          log_level: str = "info", **engine_kwargs) -> None:
-    """Load the model and serve until interrupted (the `uacompile serve` command)."""
+          log_level: str = "info", max_request_bytes: int = ServerConfig.max_request_bytes, **engine_kwargs) -> None:
+    """Load the model and serve until interrupted (the `uacompile serve` command). The port and the trace path
+    are checked before the model loads; the socket bound then is the one served on."""
     import uvicorn
+
+    if trace:
+        check_output_path(trace, "--trace")
+    sock = listen_socket(host, port)
 
     from .engine import Engine, EngineConfig
     from .llm import ENGINE_OPTIONS
@@ -668,8 +887,17 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         engine.set_tracer(tracer)
     aengine = AsyncEngine(engine, max_queue=max_queue)
     name = served_model_name or Path(model).stem
-    app = build_app(aengine, ServerConfig(name, api_key), tracer, trace)
+    app = build_app(aengine, ServerConfig(name, api_key, max_request_bytes=max_request_bytes), tracer, trace)
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", model, name, host, port,
              engine.scheduler.config.max_model_len)
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the signal again once it has shut down
+        pass
+    finally:
+        sock.close()
+    if not server.started:
+        raise RuntimeError("the server did not start (see the log above)")
 

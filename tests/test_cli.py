@@ -244,3 +244,42 @@ def test_unwritable_cache_is_one_line(tmp_path):
                         "--out", str(tmp_path), "--quiet"], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "kernel cache /sys/uacompile-cache is not writable" in r.stderr and "UACOMPILE_CACHE_DIR" in r.stderr
+
+
+def test_serve_names_a_missing_extra_before_loading(monkeypatch, capsys):
+    import uacompile.runtime.server as server
+
+    called = []
+    monkeypatch.setattr(server, "serve", lambda **kw: called.append(kw))
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
+    assert main(["serve", "--model", "m.gguf"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing: uvicorn" in err and "uacompile[serve]" in err, err
+    assert not called
+
+
+def test_serve_api_key_from_flag_file_or_env(monkeypatch, tmp_path, capsys):
+    import uacompile.runtime.server as server
+    from uacompile.cli import API_KEY_ENV
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda **kw: seen.update(kw))
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert main(["serve", "--model", "m.gguf"]) == 0 and "api_key" not in seen
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert main(["serve", "--model", "m.gguf"]) == 0 and seen["api_key"] == "from-env"
+    key = tmp_path / "key"
+    key.write_text("from-file\n")
+    assert main(["serve", "--model", "m.gguf", "--api-key-file", str(key)]) == 0 and seen["api_key"] == "from-file"
+    assert "api_key_file" not in seen
+    assert main(["serve", "--model", "m.gguf", "--api-key", "from-flag"]) == 0 and seen["api_key"] == "from-flag"
+    capsys.readouterr()
+    for args, needle in ((["--api-key-file", str(tmp_path / "none")], "No such file"),
+                         (["--api-key-file", str(key), "--api-key", "x"], "not both")):
+        key.write_text("from-file\n")
+        assert main(["serve", "--model", "m.gguf", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err, err
+    key.write_text("two\nlines\n")
+    assert main(["serve", "--model", "m.gguf", "--api-key-file", str(key)]) == 2
+    assert "one line" in capsys.readouterr().err

@@ -230,10 +230,46 @@ def cmd_tune(args) -> int:
     return 1 if any(r.error for r in results) else 0
 
 
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
+API_KEY_ENV = "UACOMPILE_API_KEY"
+
+
+def _check_serve_extra() -> None:
+    import importlib
+
+    missing = []
+    for name in SERVE_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise UsageError(f"serve needs the serve extra (missing: {', '.join(missing)}): "
+                         f"pip install 'uacompile[serve]'")
+
+
+def _api_key(args) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $UACOMPILE_API_KEY (none: no key asked)."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise UsageError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise UsageError(f"--api-key-file {args.api_key_file}: {e.strerror or e}") from None
+        if not key or "\n" in key:
+            raise UsageError(f"--api-key-file {args.api_key_file} must hold one line, the key")
+        return key
+    return args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+
+
 def cmd_serve(args) -> int:
+    _check_serve_extra()
     from .runtime.server import serve
 
-    kw = {k: v for k, v in vars(args).items() if k not in ("func", "command", "debug") and v is not None}
+    args.api_key = _api_key(args)
+    kw = {k: v for k, v in vars(args).items()
+          if k not in ("func", "command", "debug", "api_key_file") and v is not None}
     if "cpu_offload_gb" in kw:
         kw["cpu_offload_bytes"] = int(kw.pop("cpu_offload_gb") * 1e9)
     serve(**kw)
@@ -296,7 +332,10 @@ def _add_serve(sub) -> None:
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default: cpu)")
     s.add_argument("--host", default="127.0.0.1", help="default: loopback only")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
-    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/* and /completion")
+    s.add_argument("--api-key", default=None,
+                   help="require Authorization: Bearer KEY on /v1/* and /completion (visible in ps: prefer "
+                        f"--api-key-file or ${API_KEY_ENV})")
+    s.add_argument("--api-key-file", default=None, metavar="FILE", help="the API key, the file's one line")
     s.add_argument("--served-model-name", default=None, help="default: the model file's stem")
     s.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once (engine default 32)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of a step")
@@ -320,6 +359,8 @@ def _add_serve(sub) -> None:
     s.add_argument("--seed", type=int, default=None, help="seed of requests that bring none")
     s.add_argument("--max-queue", type=int, default=256,
                    help="requests accepted beyond --max-num-seqs before answering 503")
+    s.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                   help="longest request body; a longer one gets 413 (default: 4 MiB)")
     s.add_argument("--trace", default=None, metavar="FILE",
                    help="write a Chrome-trace JSON of steps, kernel calls and KV events (the first 500k) at shutdown")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging level (default: info)")

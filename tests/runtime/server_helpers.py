@@ -31,13 +31,14 @@ def make_engine(**scheduler_kw) -> Engine:
 
 @contextlib.contextmanager
 def running_server(engine: Engine | None = None, api_key: str | None = None, max_queue: int = 256,
-                   tracer=None, trace_path=None, **scheduler_kw):
-    """Yields the base URL of a uvicorn server on 127.0.0.1 (an OS-chosen free port), in a thread."""
+                   tracer=None, trace_path=None, server_kw: dict | None = None, **scheduler_kw):
+    """Yields the base URL of a uvicorn server on 127.0.0.1 (an OS-chosen free port), in a thread;
+    server_kw are ServerConfig fields."""
     import uvicorn
 
     engine = engine or make_engine(**scheduler_kw)
     aengine = AsyncEngine(engine, max_queue=max_queue)
-    app = build_app(aengine, ServerConfig("stories260K", api_key), tracer, trace_path)
+    app = build_app(aengine, ServerConfig("stories260K", api_key, **(server_kw or {})), tracer, trace_path)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

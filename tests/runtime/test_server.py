@@ -20,6 +20,7 @@ from uacompile.runtime import LLM, SamplingParams
 PROMPTS = ["Once upon a time", "Tom and his dog went to the park.", "Lily liked to", "One day",
            "The sun was hot and the sky was blue.", "Ben had a red ball"]
 MAX_TOKENS = 12
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +108,9 @@ def test_streaming_is_parsed_and_equals_the_whole(server, offline):
     chunks = [e for e in events[:-1] if e["choices"]]
     assert len(chunks) > 3 and all(e["object"] == "text_completion" for e in chunks)
     assert "".join(c["text"] for e in chunks for c in e["choices"]) == offline[prompt]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert events[-2]["usage"]["completion_tokens"] == MAX_TOKENS and events[-2]["timings"]["ttft_ms"] > 0
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["timings"]["ttft_ms"] > 0
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == MAX_TOKENS
+    assert all(e["usage"] is None for e in chunks) and "timings" not in events[-2]
 
 
 def test_chat_completion_stream_and_whole_agree(server):
@@ -250,7 +252,7 @@ BAD = [
 @pytest.mark.parametrize("body,status,needle", BAD)
 def test_bad_requests_get_openai_errors(server, body, status, needle):
     if isinstance(body, bytes):
-        r = httpx.post(server + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        r = httpx.post(server + "/v1/completions", content=body, headers=JSON)
     else:
         r = httpx.post(server + "/v1/completions", json=body)
     assert r.status_code == status, r.text
@@ -296,7 +298,7 @@ def test_fuzzed_bodies_never_get_a_5xx(server, path, body):
     if body.get("max_tokens") is None and body.get("n_predict") is None:
         body["max_tokens"] = body["n_predict"] = 4  # bounded generation: no default to the full context
     with httpx.Client(timeout=60) as client:
-        r = client.post(server + path, content=json.dumps(body))
+        r = client.post(server + path, content=json.dumps(body), headers=JSON)
         if r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"):
             for line in r.iter_lines():
                 assert '"type": "server_error"' not in line, line
@@ -309,7 +311,7 @@ def test_fuzzed_bodies_never_get_a_5xx(server, path, body):
 def test_raw_garbage_bodies(server):
     for raw in (b"", b"\xff\xfe", b"null", b'"x"', b"1e999", b'{"prompt": NaN}', b"{" * 5000):
         for path in ("/v1/completions", "/v1/chat/completions", "/completion"):
-            r = httpx.post(server + path, content=raw)
+            r = httpx.post(server + path, content=raw, headers=JSON)
             assert 400 <= r.status_code < 500, (path, raw[:20], r.status_code, r.text[:200])
     assert httpx.get(server + "/health").status_code == 200
 
@@ -451,10 +453,231 @@ def test_serve_command_writes_a_chrome_trace(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [(["--model", "/nonexistent.gguf"], "does not exist"),
                                          (["--model", "MODEL", "--policy", "lifo"], "policy must be one of"),
-                                         (["--model", "MODEL", "--page-size", "0"], "page_size must be")])
+                                         (["--model", "MODEL", "--page-size", "0"], "page_size must be"),
+                                         # checked before the model loads: the model's error never comes
+                                         (["--model", "/nonexistent.gguf", "--port", "99999"],
+                                          "port must be an int in [0, 65535], got 99999"),
+                                         (["--model", "/nonexistent.gguf", "--trace", "/nonexistent/t.json"],
+                                          "--trace /nonexistent/t.json: the folder /nonexistent does not exist"),
+                                         (["--model", "/nonexistent.gguf", "--trace", "/"], "is a directory")])
 def test_serve_command_errors_are_one_line(capsys, args, needle):
     from uacompile.cli import main
 
-    assert main(["serve", *[stories_path() if a == "MODEL" else a for a in args]]) == 2
+    port = [] if "--port" in args else ["--port", "0"]
+    assert main(["serve", *port, *[stories_path() if a == "MODEL" else a for a in args]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and err.startswith("uacompile: error:"), err
+
+
+def test_serve_command_port_in_use_is_one_line_before_the_model_loads(capsys):
+    import socket
+
+    from uacompile.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--model", "/nonexistent.gguf", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in err, err
+
+
+# ---- as the openai SDK sees it ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sdk(server):
+    import openai
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_sdk_stream_without_usage_has_a_choice_in_every_chunk(sdk):
+    """The SDK's usual loop, ch.choices[0].delta.content, runs to the end; the timings ride on the last
+    content chunk; the text equals the whole response's."""
+    kw = dict(model="stories260K", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=10,
+              temperature=0)
+    whole = sdk.chat.completions.create(**kw)
+    chunks = list(sdk.chat.completions.create(**kw, stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert text == whole.choices[0].message.content and text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(ch.usage is None for ch in chunks)
+    timings = [ch.model_extra.get("timings") for ch in chunks]
+    assert timings[-1]["ttft_ms"] > 0 and timings[-1]["completion_tokens"] == whole.usage.completion_tokens
+    assert all(t is None for t in timings[:-1])
+
+
+def test_openai_sdk_stream_with_include_usage(sdk, offline):
+    prompt = PROMPTS[3]
+    stream = sdk.completions.create(model="stories260K", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                    stream=True, stream_options={"include_usage": True},
+                                    extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    *content, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == MAX_TOKENS
+    assert last.usage.total_tokens == last.usage.prompt_tokens + MAX_TOKENS and last.usage.prompt_tokens > 0
+    assert all(ch.choices and ch.usage is None for ch in content)
+    assert "".join(ch.choices[0].text for ch in content) == offline[prompt]
+    assert content[-1].choices[0].finish_reason == "length" and content[-1].model_extra["timings"]["e2e_ms"] > 0
+    whole = sdk.completions.create(model="stories260K", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == offline[prompt] and whole.usage == last.usage
+
+
+def test_openai_sdk_continuous_usage_stats(sdk):
+    """vLLM's continuous_usage_stats: every chunk carries the usage so far; the last one the total."""
+    stream = sdk.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=8, temperature=0, stream=True, n=2,
+                                         stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                         extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert all(ch.usage is not None for ch in chunks)
+    used = [ch.usage.completion_tokens for ch in chunks]
+    assert used == sorted(used) and used[0] == 0 and used[-1] == 16
+    assert len({ch.usage.prompt_tokens for ch in chunks}) == 1
+    assert chunks[-1].choices == [] and all(ch.choices for ch in chunks[:-1])
+    finishing = [ch for ch in chunks if any(c.finish_reason for c in ch.choices)]
+    assert {c.index for ch in finishing for c in ch.choices if c.finish_reason} == {0, 1}
+    assert [("timings" in ch.model_extra) for ch in chunks[:-1]].count(True) == 1
+    assert "timings" in finishing[-1].model_extra
+    # without include_usage, continuous_usage_stats adds nothing (as in vLLM)
+    plain = list(sdk.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=3, stream=True,
+                                             stream_options={"continuous_usage_stats": True}))
+    assert all(ch.choices and ch.usage is None for ch in plain)
+
+
+def test_openai_sdk_models_and_errors(sdk):
+    import openai
+
+    assert sdk.models.retrieve("stories260K").id == "stories260K"
+    assert [m.id for m in sdk.models.list()] == ["stories260K"]
+    with pytest.raises(openai.NotFoundError) as e:
+        sdk.models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.completions.create(model="stories260K", prompt="x", max_tokens=2, stream_options={"include_usage": True})
+    assert "stream_options" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        sdk.completions.create(model="stories260K", prompt="x", max_tokens=2, stop=["a"] * 33)
+
+
+# ---- what a client cannot do to the server ------------------------------------------------------
+def test_framework_errors_have_the_openai_shape(server):
+    for method, path, status in (("GET", "/nowhere", 404), ("POST", "/v1/nowhere", 404),
+                                 ("GET", "/v1/completions", 405), ("DELETE", "/v1/models", 405)):
+        r = httpx.request(method, server + path)
+        assert r.status_code == status, (method, path, r.status_code)
+        err = r.json()["error"]
+        assert path in err["message"] and err["type"] == "invalid_request_error" and set(err) >= {"param", "code"}
+    assert "GET" in httpx.delete(server + "/v1/models").headers["allow"]
+
+
+def test_only_json_bodies(server):
+    body = json.dumps(greedy("One day")).encode()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {"content-type": ctype} if ctype else {}
+        for path in ("/v1/completions", "/v1/chat/completions", "/completion"):
+            r = httpx.post(server + path, content=body, headers=headers)
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (path, ctype)
+    r = httpx.post(server + "/v1/completions", content=body,
+                   headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+def test_request_size_limit():
+    with running_server(server_kw={"max_request_bytes": 4096}) as (url, _):
+        ok = {"prompt": "One day", "max_tokens": 2, "junk": "x" * 3000}
+        assert httpx.post(url + "/v1/completions", json=ok).status_code == 200
+        big = {**ok, "junk": "x" * 5000}
+        r = httpx.post(url + "/v1/completions", json=big)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+
+        def chunked():  # no content-length: counted as it comes
+            yield json.dumps(big).encode()
+
+        r = httpx.post(url + "/v1/completions", content=chunked(), headers=JSON)
+        assert r.status_code == 413 and "limit of 4096 bytes" in r.json()["error"]["message"], r.text
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def test_default_request_size_limit(server):
+    r = httpx.post(server + "/v1/completions", json={"prompt": "a", "junk": "x" * (5 * 2 ** 20)}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_json_depth_and_stop_caps(server):
+    deep = b'{"prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    nested = {"prompt": "a", "max_tokens": 2, "x": json.loads("[" * 65 + "]" * 65)}
+    for path in ("/v1/completions", "/v1/chat/completions", "/completion"):
+        r = httpx.post(server + path, content=deep, headers=JSON)
+        assert r.status_code == 400 and "nests deeper" in r.json()["error"]["message"], r.text
+        r = httpx.post(server + path, json=nested)
+        assert r.status_code == 400 and "nests deeper than 64" in r.json()["error"]["message"], r.text
+    assert completion(server, prompt="a", max_tokens=2, x=json.loads("[" * 62 + "]" * 62)).status_code == 200
+    many, long = ["a"] * 33, ["a" * 257]
+    for path, body in (("/v1/completions", {"prompt": "a", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}),
+                       ("/completion", {"prompt": "a", "n_predict": 2})):
+        for stop, needle in ((many, "at most 32"), (long, "at most 256 are allowed")):
+            r = httpx.post(server + path, json={**body, "stop": stop})
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        assert httpx.post(server + path, json={**body, "stop": ["a" * 256] * 32}).status_code == 200
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_tokenising_runs_off_the_event_loop():
+    """While a prompt is being tokenised (here: held inside the tokenizer) /health still answers, for
+    /v1/completions, /v1/chat/completions and /completion alike; a prompt over the character cap is refused
+    without being tokenised at all."""
+    import threading
+
+    engine = make_engine()
+    tok = engine.tokenizer
+    encode, entered, release, calls = tok.encode, threading.Event(), threading.Event(), []
+
+    def held_encode(*a, **kw):
+        calls.append(1)
+        entered.set()
+        release.wait(30)
+        return encode(*a, **kw)
+
+    tok.encode = held_encode
+    with running_server(engine, server_kw={"max_prompt_chars": 1000}) as (url, _):
+        for path, body in (("/v1/completions", {"prompt": "One day", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                     "max_tokens": 2}),
+                           ("/completion", {"prompt": "One day", "n_predict": 2})):
+            entered.clear()
+            release.clear()
+            out = {}
+            t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(url + path, json=body, timeout=60)))
+            t.start()
+            assert entered.wait(30), path
+            assert httpx.get(url + "/health", timeout=5).status_code == 200, path
+            release.set()
+            t.join(60)
+            assert out["r"].status_code == 200, (path, out["r"].text)
+        release.set()
+        n = len(calls)
+        for path, body in (("/v1/completions", {"prompt": "a" * 1001}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 600},
+                                                                  {"role": "user", "content": "a" * 401}]}),
+                           ("/completion", {"prompt": "a" * 1001})):
+            r = httpx.post(url + path, json=body)
+            assert r.status_code == 400 and "1001 characters; at most 1000" in r.json()["error"]["message"], r.text
+        assert len(calls) == n
+
+
+def test_listen_socket_is_tcp_for_nodelay():
+    """serve binds its socket itself; asyncio sets TCP_NODELAY on accepted connections only when the listening
+    socket's proto is IPPROTO_TCP (without it a keep-alive /health waits out a delayed ACK)."""
+    import socket
+
+    from uacompile.runtime.server import listen_socket
+
+    for host in ("127.0.0.1", "localhost"):
+        with listen_socket(host, 0) as sock:
+            assert sock.proto == socket.IPPROTO_TCP and sock.type == socket.SOCK_STREAM
+    with pytest.raises(OSError, match="cannot listen on no-such-host.invalid:80"):
+        listen_socket("no-such-host.invalid", 80)
