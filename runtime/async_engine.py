@@ -124,6 +124,8 @@ class RequestStream:
 class _Sample:
     decoder: IncrementalDecoder | None
     sent: str = ""
+    num_tokens: int = 0   # output tokens so far
+    floor: int = 0        # characters no stop string may end within (min_tokens)
 
 
 class _Live:
@@ -320,9 +322,12 @@ class AsyncEngine:
             visible = self.engine.output(d.request_id).outputs[d.index].text  # cut at a stop string
         else:
             visible = sample.decoder.text
-            stops = live.stream.params.stop or []
-            cuts = [visible.find(s) for s in stops if s in visible]
-            visible = visible[:min(cuts)] if cuts else visible[:len(visible) - live.hold]
+            p = live.stream.params
+            sample.num_tokens += len(d.token_ids)
+            if sample.num_tokens < p.min_tokens:
+                sample.floor = len(visible)  # the text of the first min_tokens - 1 tokens, when they are in
+            cut = p.stop_cut(visible, sample.floor) if sample.num_tokens >= p.min_tokens else None
+            visible = visible[:cut] if cut is not None else visible[:len(visible) - live.hold]
         text = visible[len(sample.sent):] if visible.startswith(sample.sent) else ""
         sample.sent += text
         return StreamEvent(d.index, d.token_ids, text, d.logprobs, d.finish_reason)

@@ -4,7 +4,8 @@ step() returns the requests that finished in the step; run_step() also returns e
 tokens (with log-probabilities when asked), which a streaming front end forwards as they come.
 
 Stop conditions: max_tokens (the scheduler's), EOS unless ignore_eos, stop_token_ids, stop
-strings (output text is cut where the stop string begins).
+strings (output text is cut where the stop string begins, or after it with include_stop_str_in_output);
+none but max_tokens before min_tokens tokens (the sampler masks EOS and the stop tokens until then).
 """
 from __future__ import annotations
 
@@ -248,7 +249,7 @@ class Engine:
         if ec.device == "cuda" and ec.cuda_graphs:
             self.executor.capture_graphs(sc.max_num_seqs, sc.max_model_len, ec.progress)
         self._stats = {"t": time.monotonic(), "prompt": 0, "generated": 0}
-        self.sampler = Sampler(ec.seed)
+        self.sampler = Sampler(ec.seed, self.model.cfg.eos_token_ids)
         self.tracer = NullTracer()
         self.requests: dict[int, Request] = {}
         self._seq_request: dict[int, tuple[Request, int]] = {}  # seq_id -> (request, sample index)
@@ -480,15 +481,24 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         p, last = seq.params, seq.token_ids[-1]
+        if seq.num_output_tokens < p.min_tokens:
+            return None
         if not p.ignore_eos and last in self.model.cfg.eos_token_ids:
             return "stop"
         if p.stop_token_ids and last in p.stop_token_ids:
             return "stop"
         if p.stop and self.tokenizer is not None:
             text = self.tokenizer.decode_continuation(seq.prompt_token_ids, seq.output_token_ids)
-            if any(s in text for s in p.stop):
+            if p.stop_cut(text, self.stop_floor(seq)) is not None:
                 return "stop"
         return None
+
+    def stop_floor(self, seq: Sequence) -> int:
+        """Characters of the output no stop string may end within: those of its first min_tokens - 1 tokens."""
+        m = seq.params.min_tokens
+        if m <= 1 or not seq.params.stop or self.tokenizer is None:
+            return 0
+        return len(self.tokenizer.decode_continuation(seq.prompt_token_ids, seq.output_token_ids[:m - 1]))
 
     def _finalize(self, seq: Sequence) -> None:
         """Final text: decoded output, cut at the first stop string."""
@@ -497,9 +507,9 @@ class Engine:
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode_continuation(seq.prompt_token_ids, seq.output_token_ids)
-            cuts = [text.find(s) for s in (seq.params.stop or []) if s in text]
-            if cuts:
-                text = text[:min(cuts)]
+            cut = seq.params.stop_cut(text, self.stop_floor(seq))
+            if cut is not None:
+                text = text[:cut]
                 seq.finish_reason = "stop"  # a stop string wins over max_tokens reached in the same step
         req.texts[seq.seq_id] = text
 

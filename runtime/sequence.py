@@ -47,6 +47,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0                       # no EOS, stop token or stop string ends it before this many tokens
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
 
     def __post_init__(self):
         def number_in(name, lo, hi, lo_open=False, hi_text=None):
@@ -89,6 +91,10 @@ class SamplingParams:
                                  f"got {self.logit_bias!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
 
     @property
     def greedy(self) -> bool:
@@ -97,11 +103,25 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """Greedy with nothing applied to the logits first and no log-probabilities asked: the token is the argmax."""
-        return self.greedy and not self.logit_bias and not self.has_penalties and self.logprobs is None
+        return (self.greedy and not self.logit_bias and not self.has_penalties and self.logprobs is None
+                and not self.min_tokens)
 
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    def stop_cut(self, text: str, floor: int = 0) -> int | None:
+        """Where the text ends at the earliest stop string whose match ends after `floor` characters (the text
+        of the first min_tokens - 1 tokens): the match's start, or its end with include_stop_str_in_output.
+        None: no stop string ends it."""
+        best = None
+        for s in self.stop or ():
+            i = text.find(s, max(0, floor - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, i + len(s))
+        if best is None:
+            return None
+        return best[1] if self.include_stop_str_in_output else best[0]
 
     def check_vocab(self, vocab_size: int) -> None:
         """logit_bias may only name token ids in [0, vocab_size)."""
