@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP server over AsyncEngine (FastAPI + uvicorn).
 
 Routes: /v1/completions, /v1/chat/completions (both with SSE streaming), /v1/models, /health,
-/metrics (Prometheus, vLLM's metric names) and llama.cpp's /completion. Bad input gets a 4xx with an
+/metrics (Prometheus, vLLM's metric names), llama.cpp's /completion, and /tokenize, /detokenize in vLLM's
+shapes (which take llama-server's `content` / `add_special` too and answer with both servers' keys). A body
+field the server does not implement is a 400 that names it (`user` alone is accepted and ignored). Bad input gets a 4xx with an
 OpenAI-style error body; a full queue gets 503 with Retry-After; with an API key, /v1/* and
 /completion want `Authorization: Bearer KEY`. A client that disconnects has its request aborted,
 which frees its pages before the engine's next step. Each response carries the request's timing
@@ -60,14 +62,18 @@ class APIError(Exception):
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
-    err = e.errors()[0]
+    errs = e.errors()
+    err = next((x for x in errs if x.get("type") == "extra_forbidden"), errs[0])
     loc = ".".join(str(p) for p in err.get("loc", ()))
+    if err.get("type") == "extra_forbidden":
+        return f"unsupported field {loc!r}: this server does not implement it", loc
     return (f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))), (loc or None)
 
 
 # ---- request bodies -----------------------------------------------------------------------------
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """A request body: a field not declared here is a 400 that names it (nothing is silently ignored)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Body):
@@ -94,6 +100,9 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    min_tokens: int = 0                       # vLLM's: no EOS / stop token / stop string before this many
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string stays in the text
+    user: str | None = None                   # accepted and ignored, as vLLM does
 
 
 class CompletionBody(_Sampling):
@@ -131,6 +140,22 @@ class LlamaCppBody(_Body):
     stream: bool = False
     ignore_eos: bool = False
     n_probs: int = 0
+
+
+class TokenizeBody(_Body):
+    """vLLM's /tokenize (prompt or messages, add_special_tokens) and llama-server's (content, add_special)."""
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -458,6 +483,21 @@ class _Served:
                                 f"{self.max_model_len} tokens", param="prompt")
         return await asyncio.to_thread(self._encode, prompt)
 
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The tokenizer's ids of a text (no vocabulary or emptiness checks), in a worker thread after the cap."""
+        self.check_chars(len(text), "prompt")
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        V = self.engine.model.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {V})", param="tokens")
+        if len(ids) > self.max_model_len:
+            raise APIError(400, f"{len(ids)} tokens; at most this model's context of {self.max_model_len}",
+                           param="tokens")
+        return await asyncio.to_thread(self.tokenizer.decode, ids)
+
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """Token ids of a chat: the template rendered and tokenised in a worker thread after the length cap."""
         chars = 0
@@ -675,6 +715,39 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                            param="model", code="model_not_found")
         return model_card()
 
+    # -- vLLM's /tokenize and /detokenize (llama-server's field names accepted too)
+    @app.post("/tokenize", dependencies=protected)
+    async def tokenize(request: Request):
+        body: TokenizeBody = await served.body(request, TokenizeBody)
+        served.check_model(body.model)
+        if served.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if body.prompt is not None and body.content is not None:
+            raise APIError(400, "give prompt or content, not both", param="content")
+        if body.add_special_tokens is not None and body.add_special is not None:
+            raise APIError(400, "give add_special_tokens or add_special, not both", param="add_special")
+        text = body.prompt if body.prompt is not None else body.content
+        special = body.add_special_tokens if body.add_special_tokens is not None else body.add_special
+        if (text is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt (or content) and messages", param="prompt")
+        if body.messages is not None:
+            if special:
+                raise APIError(400, "add_special_tokens with messages is not supported: the chat template "
+                                    "places the special tokens", param="add_special_tokens")
+            ids = await served.encode_chat([m.model_dump() for m in body.messages], body.add_generation_prompt)
+        else:
+            ids = await served.tokenize(text, True if special is None else special)
+        return {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize", dependencies=protected)
+    async def detokenize(request: Request):
+        body: DetokenizeBody = await served.body(request, DetokenizeBody)
+        served.check_model(body.model)
+        if served.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        text = await served.detokenize(body.tokens)
+        return {"prompt": text, "content": text}
+
     # -- /v1/completions
     @app.post("/v1/completions", dependencies=protected)
     async def completions(request: Request):
@@ -827,7 +900,8 @@ def _sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None) -> 
                    min_p=body.min_p, presence_penalty=body.presence_penalty,
                    frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                    seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, n=body.n,
-                   ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias))
+                   ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
+                   min_tokens=body.min_tokens, include_stop_str_in_output=body.include_stop_str_in_output)
 
 
 # ---- entry point --------------------------------------------------------------------------------
