@@ -46,6 +46,7 @@ class StreamEvent:
     text: str                        # text these tokens add (may be "" while a character is incomplete)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # sample 0's first event, when asked for
 
 
 @dataclass
@@ -316,7 +317,7 @@ class AsyncEngine:
     def _event(self, live: _Live, d) -> StreamEvent:
         sample = live.samples[d.index]
         if sample.decoder is None:
-            return StreamEvent(d.index, d.token_ids, "", d.logprobs, d.finish_reason)
+            return StreamEvent(d.index, d.token_ids, "", d.logprobs, d.finish_reason, d.prompt_logprobs)
         sample.decoder.add(d.token_ids)
         if d.finish_reason is not None:
             visible = self.engine.output(d.request_id).outputs[d.index].text  # cut at a stop string
@@ -330,7 +331,7 @@ class AsyncEngine:
             visible = visible[:cut] if cut is not None else visible[:len(visible) - live.hold]
         text = visible[len(sample.sent):] if visible.startswith(sample.sent) else ""
         sample.sent += text
-        return StreamEvent(d.index, d.token_ids, text, d.logprobs, d.finish_reason)
+        return StreamEvent(d.index, d.token_ids, text, d.logprobs, d.finish_reason, d.prompt_logprobs)
 
     def _publish_stats(self) -> None:
         sch = self.engine.scheduler

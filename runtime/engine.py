@@ -52,6 +52,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs: None, then token 1's...
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # set in the step the sample finishes
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on sample 0's first delta, when asked for
 
 
 @dataclass
@@ -458,8 +460,10 @@ class Engine:
             lp = sampled.logprobs.get(seq.seq_id)
             if seq.is_finished:
                 self._finalize(seq)
+            first = index == 0 and seq.num_output_tokens == 1 and seq.params.prompt_logprobs is not None
             out.deltas.append(Delta(req.request_id, index, [sampled.tokens[seq.seq_id]], [lp] if lp else [],
-                                    seq.finish_reason if seq.is_finished else None))
+                                    seq.finish_reason if seq.is_finished else None,
+                                    [None] + list(seq.prompt_logprobs) if first else None))
             if seq.is_finished and all(s.is_finished for s in req.seqs):
                 done[req.request_id] = None  # once, after every sample of it this step is final
         for rid in done:
@@ -517,8 +521,10 @@ class Engine:
         req = self.requests[request_id]
         outs = [CompletionOutput(i, req.texts.get(s.seq_id, ""), [t for t in s.output_token_ids if t >= 0],
                                  s.finish_reason) for i, s in enumerate(req.seqs)]  # (< 0: on its way from the GPU)
+        s0 = req.seqs[0]
+        plp = [None] + list(s0.prompt_logprobs) if s0.params.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
-                             all(s.is_finished for s in req.seqs))
+                             all(s.is_finished for s in req.seqs), plp)
 
     def _log_stats(self, batch, num_sampled: int) -> None:
         """Throughput at INFO every log_stats_interval seconds (counted whatever the log level)."""

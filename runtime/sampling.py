@@ -48,6 +48,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+    rank: int | None = None  # of token_id among all (1 = most likely), where known
 
 
 @dataclass

@@ -49,6 +49,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0                       # no EOS, stop token or stop string ends it before this many tokens
     include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
+    prompt_logprobs: int | None = None        # k: each prompt token's log-probability and the k most likely
 
     def __post_init__(self):
         def number_in(name, lo, hi, lo_open=False, hi_text=None):
@@ -91,6 +92,10 @@ class SamplingParams:
                                  f"got {self.logit_bias!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs)
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.prompt_logprobs!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
@@ -148,6 +153,8 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None        # "stop" | "length" | "abort", set by whoever finishes it
     parent_id: int | None = None            # set on forked children (n > 1)
+    # params.prompt_logprobs: entry p is token p + 1's (a TokenLogprob), filled in as the prompt is computed
+    prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self):
         if not isinstance(self.token_ids, list):
