@@ -108,7 +108,8 @@ class _Sampling(_Body):
 class CompletionBody(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False            # with logprobs: the prompt's tokens' too (max_tokens 0 scores the prompt alone)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the k most likely, per choice
 
 
 class Message(BaseModel):
@@ -606,6 +607,37 @@ class _Served:
                 off += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def _text(self, tid: int) -> str:
+        return self.tokenizer.token_text(tid) if self.tokenizer else str(tid)
+
+    def echo_logprobs(self, prompt_ids: list[int], prompt_lps: list, k: int, generated: dict) -> dict:
+        """OpenAI's legacy logprobs of an echoed prompt (the first token's null) followed by the generated ones;
+        the offsets count from the start of the echoed text."""
+        tokens, lps, tops, offsets, off = [], [], [], [], 0
+        for tid, e in zip(prompt_ids, prompt_lps):
+            text = self._text(tid)
+            tokens.append(text)
+            lps.append(None if e is None else e.logprob)
+            tops.append(None if e is None else {self._text(t): v for t, v in e.top[:k]})
+            offsets.append(off)
+            off += len(text)
+        return {"tokens": tokens + generated["tokens"], "token_logprobs": lps + generated["token_logprobs"],
+                "top_logprobs": tops + generated["top_logprobs"], "text_offset": offsets + generated["text_offset"]}
+
+    def vllm_prompt_logprobs(self, prompt_lps: list, k: int) -> list:
+        """vLLM's prompt_logprobs: per prompt position null (the first) or {token id: {logprob, rank,
+        decoded_token}} holding the prompt's token and the k most likely."""
+        out = []
+        for e in prompt_lps:
+            if e is None:
+                out.append(None)
+                continue
+            d = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": self._text(t)} for r, (t, v) in
+                 enumerate(e.top[:k])}
+            d[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": self._text(e.token_id)}
+            out.append(d)
+        return out
+
     def chat_logprobs(self, events: list[StreamEvent]) -> dict:
         def entry(tid, v):
             text = self.tokenizer.token_text(tid) if self.tokenizer else str(tid)
@@ -763,9 +795,17 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
             raise APIError(400, "prompt must not be empty", param="prompt")
         _check_stream_options(body)
         served.check_stop(body.stop)
+        score_only = body.max_tokens == 0  # the engine samples one token the response leaves out
+        if score_only and not body.echo:
+            raise APIError(400, "max_tokens: 0 needs echo: true (it scores the prompt)", param="max_tokens")
+        want_prompt_lp = body.prompt_logprobs is not None or (body.echo and body.logprobs is not None)
+        if body.stream and (score_only or want_prompt_lp):
+            raise APIError(400, "prompt log-probabilities (echo with logprobs, prompt_logprobs) and max_tokens: 0 "
+                                "are not supported with stream: true", param="stream")
         ids = [await served.encode(p) for p in prompts]
-        max_tokens = min(served.max_tokens(body.max_tokens, len(i), 16) for i in ids)
-        params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
+        max_tokens = min(served.max_tokens(1 if score_only else body.max_tokens, len(i), 16) for i in ids)
+        prompt_k = max(body.prompt_logprobs or 0, (body.logprobs or 0) if body.echo else 0) if want_prompt_lp else None
+        params = _sampling_params(body, max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_k)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await served.start(ids, params, body.priority)
         n = params.n
@@ -782,15 +822,29 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                                  lambda i, evs: [chunk(i, e) for e in evs if e.text or e.finish_reason or e.logprobs])
 
         got = await _until_disconnect(request, _collect(served, streams, lambda i, e: i * n + e.index))
+        prompt_lps = [next((e.prompt_logprobs for e in got.get(i * n, []) if e.prompt_logprobs is not None), None)
+                      for i in range(len(prompts))]
         choices = []
         for idx in range(len(prompts) * n):
             evs = got.get(idx, [])
-            text = echo[idx // n] + "".join(e.text for e in evs)
             reason = next((e.finish_reason for e in evs if e.finish_reason), None)
-            lp = served.completion_logprobs(evs, len(echo[idx // n])) if params.logprobs is not None else None
-            choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": reason})
+            if score_only:
+                evs, reason = [], "length"
+            text = echo[idx // n] + "".join(e.text for e in evs)
+            lp = None
+            if params.logprobs is not None:
+                lp = served.completion_logprobs(evs, len(echo[idx // n]))
+                if body.echo:
+                    lp = served.echo_logprobs(ids[idx // n], prompt_lps[idx // n], body.logprobs, lp)
+            choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": reason}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = served.vllm_prompt_logprobs(prompt_lps[idx // n], body.prompt_logprobs)
+            choices.append(choice)
+        usage = served.usage(streams)
+        if score_only:
+            usage = _usage(usage["prompt_tokens"], 0)
         return {"id": rid, "object": "text_completion", "created": _now(), "model": cfg.model_name,
-                "choices": choices, "usage": served.usage(streams), "timings": served.timings(streams)}
+                "choices": choices, "usage": usage, "timings": served.timings(streams)}
 
     # -- /v1/chat/completions
     @app.post("/v1/chat/completions", dependencies=protected)
@@ -895,13 +949,15 @@ def _check_stream_options(body: _Sampling) -> None:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
 
-def _sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     return _params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                    min_p=body.min_p, presence_penalty=body.presence_penalty,
                    frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                    seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, n=body.n,
                    ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
-                   min_tokens=body.min_tokens, include_stop_str_in_output=body.include_stop_str_in_output)
+                   min_tokens=body.min_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
+                   prompt_logprobs=prompt_logprobs)
 
 
 # ---- entry point --------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -229,7 +230,7 @@ BAD = [
     (b"[1, 2]", 400, "JSON object"),
     ({"max_tokens": 4}, 400, "prompt"),
     ({"prompt": 5}, 400, "prompt"),
-    ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens must be an int >= 1"),
+    ({"prompt": "a", "max_tokens": -1}, 400, "max_tokens must be an int >= 1"),
     ({"prompt": "a", "max_tokens": "7"}, 400, "max_tokens"),
     ({"prompt": "a", "max_tokens": 10 ** 6}, 400, "exceeds the context"),
     ({"prompt": "a " * 3000, "max_tokens": 4}, 400, "context"),
@@ -855,3 +856,75 @@ def test_user_is_accepted_and_ignored(server, path):
     a = httpx.post(server + path, json=body).json()["choices"][0]
     b = httpx.post(server + path, json={**body, "user": "someone"}).json()["choices"][0]
     assert a.get("text", a.get("message")) == b.get("text", b.get("message"))
+
+
+# ---- prompt logprobs ----------------------------------------------------------------------------
+SCORED = "Once upon a time, there was a little girl named Lily. She loved to play outside."
+
+
+@pytest.fixture(scope="module")
+def reference_prompt_logprobs():
+    """log p(token i | tokens before it) from the runtime's forward, one sequence outside the engine."""
+    from model_helpers import prompt_logprobs
+    llm = LLM(stories_path(), cpu_threads=1)
+    ids = llm.engine.encode_prompt(SCORED)[1]
+    return ids, prompt_logprobs(llm.engine.executor, ids)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(reference_prompt_logprobs):
+    """OpenAI's legacy shape: the prompt's tokens, the first logprob null, nothing generated; equal to the
+    reference over prefill chunks and again when the prompt's pages are in the prefix cache."""
+    ids, ref = reference_prompt_logprobs
+    with running_server(page_size=4, max_prefill_chunk=8) as (url, _):
+        for _ in range(2):
+            r = completion(url, prompt=SCORED, max_tokens=0, echo=True, logprobs=3, temperature=0)
+            assert r.status_code == 200, r.text
+            c = r.json()["choices"][0]
+            assert c["text"] == SCORED and c["finish_reason"] == "length"
+            assert r.json()["usage"]["completion_tokens"] == 0
+            lp = c["logprobs"]
+            assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            np.testing.assert_allclose(lp["token_logprobs"][1:], ref, atol=1e-4)
+            for top, chosen in zip(lp["top_logprobs"][1:], lp["token_logprobs"][1:]):
+                assert len(top) <= 3 and max(top.values()) >= chosen - 1e-6
+        # echo + logprobs with generation: the prompt's entries, then the generated tokens'
+        r = completion(url, prompt=SCORED, max_tokens=3, echo=True, logprobs=0, temperature=0, ignore_eos=True).json()
+        lp = r["choices"][0]["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 3 and lp["token_logprobs"][0] is None
+        np.testing.assert_allclose(lp["token_logprobs"][1:len(ids)], ref, atol=1e-4)
+
+
+def test_vllm_prompt_logprobs(server, reference_prompt_logprobs):
+    ids, ref = reference_prompt_logprobs
+    r = completion(server, prompt=[ids, ids[:5]], max_tokens=2, prompt_logprobs=2, temperature=0, n=2)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 4
+    for c, want in zip(choices, (ids, ids, ids[:5], ids[:5])):
+        plp = c["prompt_logprobs"]
+        assert len(plp) == len(want) and plp[0] is None
+        for pos, entry in enumerate(plp[1:], 1):
+            own = entry[str(want[pos])]
+            assert abs(own["logprob"] - ref[pos - 1]) < 1e-4
+            others = [v for k, v in entry.items() if k != str(want[pos])]
+            assert len(entry) in (2, 3) and {v["rank"] for v in others} <= {1, 2}
+            higher = sum(v["logprob"] > own["logprob"] for v in others)
+            assert own["rank"] == higher + 1 if own["rank"] <= 2 else higher == len(others) == 2
+        assert c["logprobs"] is None
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"max_tokens": 0}, "max_tokens: 0 needs echo"),
+    ({"max_tokens": 0, "echo": True, "stream": True}, "not supported with stream"),
+    ({"echo": True, "logprobs": 1, "stream": True}, "not supported with stream"),
+    ({"prompt_logprobs": 1, "stream": True}, "not supported with stream"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs must be an int in [0, 20]"),
+])
+def test_prompt_logprobs_bad_requests(server, body, needle):
+    r = completion(server, prompt="Once upon", **body)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_chat_prompt_logprobs_is_unsupported(server):
+    r = _chat(server, prompt_logprobs=1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
