@@ -152,6 +152,8 @@ class TokenizeBody(_Body):
     add_special_tokens: bool | None = None
     add_special: bool | None = None
     add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM's: token_strs, each token's text
+    with_pieces: bool = False        # llama-server's: tokens as [{"id", "piece"}]
 
 
 class DetokenizeBody(_Body):
@@ -769,7 +771,10 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
             ids = await served.encode_chat([m.model_dump() for m in body.messages], body.add_generation_prompt)
         else:
             ids = await served.tokenize(text, True if special is None else special)
-        return {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids, "token_strs": None}
+        strs = [served.tokenizer.token_text(t) for t in ids] if body.return_token_strs or body.with_pieces else None
+        tokens = [{"id": t, "piece": p} for t, p in zip(ids, strs)] if body.with_pieces else ids
+        return {"count": len(ids), "max_model_len": served.max_model_len, "tokens": tokens,
+                "token_strs": strs if body.return_token_strs else None}
 
     @app.post("/detokenize", dependencies=protected)
     async def detokenize(request: Request):

@@ -698,6 +698,10 @@ def test_tokenize_and_detokenize_round_trip(server):
     bare = httpx.post(server + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
     assert bare == ids[1:]  # stories260K's tokenizer adds BOS
     assert httpx.post(server + "/tokenize", json={"content": text, "add_special": False}).json()["tokens"] == bare
+    strs = httpx.post(server + "/tokenize", json={"prompt": text, "return_token_strs": True}).json()["token_strs"]
+    assert len(strs) == len(ids) and "".join(strs).strip() == text
+    pieces = httpx.post(server + "/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert pieces == [{"id": t, "piece": p} for t, p in zip(ids, strs)]
     back = httpx.post(server + "/detokenize", json={"tokens": ids}).json()
     assert back["prompt"] == text and back["content"] == text
     used = completion(server, prompt=text, max_tokens=1).json()["usage"]["prompt_tokens"]
@@ -715,7 +719,7 @@ def test_tokenize_messages_equals_the_chat_prompt(server):
     ("/tokenize", {}, "exactly one of prompt"),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "exactly one of prompt"),
     ("/tokenize", {"prompt": "a", "content": "a"}, "not both"),
-    ("/tokenize", {"prompt": "a", "with_pieces": True}, "'with_pieces'"),
+    ("/tokenize", {"prompt": "a", "with_piece": True}, "'with_piece'"),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"prompt": "a", "model": "other"}, "does not exist"),
     ("/detokenize", {"tokens": [1, 999999]}, "outside the vocabulary"),
