@@ -2,9 +2,10 @@
 
 Routes: /v1/completions, /v1/chat/completions (both with SSE streaming), /v1/models, /health,
 /metrics (Prometheus, vLLM's metric names), llama.cpp's /completion, and /tokenize, /detokenize in vLLM's
-shapes (which take llama-server's `content` / `add_special` too and answer with both servers' keys). A body
-field the server does not implement is a 400 that names it (`user` alone is accepted and ignored). Bad input gets a 4xx with an
-OpenAI-style error body; a full queue gets 503 with Retry-After; with an API key, /v1/* and
+shapes (which take llama-server's `content` / `add_special` / `with_pieces` too and answer with both servers'
+keys). Prompts are scored with echo + logprobs (max_tokens 0: the prompt alone) or vLLM's prompt_logprobs. A
+body field the server does not implement is a 400 that names it (`user` alone is accepted and ignored). Bad
+input gets a 4xx with an OpenAI-style error body; a full queue gets 503 with Retry-After; with an API key, /v1/* and
 /completion want `Authorization: Bearer KEY`. A client that disconnects has its request aborted,
 which frees its pages before the engine's next step. Each response carries the request's timing
 (TTFT, TPOT, inter-token latency, end to end) in a `timings` field (a stream: in its last content
@@ -612,16 +613,17 @@ class _Served:
     def _text(self, tid: int) -> str:
         return self.tokenizer.token_text(tid) if self.tokenizer else str(tid)
 
-    def echo_logprobs(self, prompt_ids: list[int], prompt_lps: list, k: int, generated: dict) -> dict:
+    def echo_logprobs(self, prompt_ids: list[int], prompt_lps: list, k: int, generated: dict, echoed: str) -> dict:
         """OpenAI's legacy logprobs of an echoed prompt (the first token's null) followed by the generated ones;
-        the offsets count from the start of the echoed text."""
+        the offsets are into the echoed text (which lacks the leading space a first word's token text has)."""
         tokens, lps, tops, offsets, off = [], [], [], [], 0
-        for tid, e in zip(prompt_ids, prompt_lps):
-            text = self._text(tid)
+        texts = [self._text(t) for t in prompt_ids]
+        dropped = max(0, sum(map(len, texts)) - len(echoed))
+        for text, e in zip(texts, prompt_lps):
             tokens.append(text)
             lps.append(None if e is None else e.logprob)
             tops.append(None if e is None else {self._text(t): v for t, v in e.top[:k]})
-            offsets.append(off)
+            offsets.append(max(0, off - dropped))
             off += len(text)
         return {"tokens": tokens + generated["tokens"], "token_logprobs": lps + generated["token_logprobs"],
                 "top_logprobs": tops + generated["top_logprobs"], "text_offset": offsets + generated["text_offset"]}
@@ -840,7 +842,7 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
             if params.logprobs is not None:
                 lp = served.completion_logprobs(evs, len(echo[idx // n]))
                 if body.echo:
-                    lp = served.echo_logprobs(ids[idx // n], prompt_lps[idx // n], body.logprobs, lp)
+                    lp = served.echo_logprobs(ids[idx // n], prompt_lps[idx // n], body.logprobs, lp, echo[idx // n])
             choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": reason}
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = served.vllm_prompt_logprobs(prompt_lps[idx // n], body.prompt_logprobs)

@@ -889,6 +889,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt(reference_prompt_logprobs):
             lp = c["logprobs"]
             assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
             np.testing.assert_allclose(lp["token_logprobs"][1:], ref, atol=1e-4)
+            offs = lp["text_offset"]
+            assert offs == sorted(offs) and all(SCORED[o:].startswith(t) for o, t in zip(offs[2:], lp["tokens"][2:]))
             for top, chosen in zip(lp["top_logprobs"][1:], lp["token_logprobs"][1:]):
                 assert len(top) <= 3 and max(top.values()) >= chosen - 1e-6
         # echo + logprobs with generation: the prompt's entries, then the generated tokens'
