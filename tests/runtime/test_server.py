@@ -934,3 +934,22 @@ def test_prompt_logprobs_bad_requests(server, body, needle):
 def test_chat_prompt_logprobs_is_unsupported(server):
     r = _chat(server, prompt_logprobs=1)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
+def test_openai_sdk_scores_a_prompt_and_names_unsupported_fields(sdk, reference_prompt_logprobs):
+    """What lm-evaluation-harness's local-completions does for a loglikelihood: echo, max_tokens 0, logprobs."""
+    import openai
+    ids, ref = reference_prompt_logprobs
+    out = sdk.completions.create(model="stories260K", prompt=SCORED, max_tokens=0, echo=True, logprobs=1,
+                                 temperature=0)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == SCORED and lp.token_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], ref, atol=1e-4)
+    assert out.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="unsupported field 'response_format'"):
+        sdk.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                    response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="unsupported field 'best_of'"):
+        sdk.completions.create(model="stories260K", prompt="Hi", max_tokens=2, best_of=2)
+    ok = sdk.completions.create(model="stories260K", prompt="Hi", max_tokens=2, user="someone")
+    assert len(ok.choices) == 1 and ok.usage.prompt_tokens > 0
