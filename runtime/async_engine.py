@@ -46,6 +46,7 @@ class StreamEvent:
     text: str                        # text these tokens add (may be "" while a character is incomplete)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # sample 0's first event, when asked for
 
 
 @dataclass
@@ -124,6 +125,8 @@ class RequestStream:
 class _Sample:
     decoder: IncrementalDecoder | None
     sent: str = ""
+    num_tokens: int = 0   # output tokens so far
+    floor: int = 0        # characters no stop string may end within (min_tokens)
 
 
 class _Live:
@@ -314,18 +317,21 @@ class AsyncEngine:
     def _event(self, live: _Live, d) -> StreamEvent:
         sample = live.samples[d.index]
         if sample.decoder is None:
-            return StreamEvent(d.index, d.token_ids, "", d.logprobs, d.finish_reason)
+            return StreamEvent(d.index, d.token_ids, "", d.logprobs, d.finish_reason, d.prompt_logprobs)
         sample.decoder.add(d.token_ids)
         if d.finish_reason is not None:
             visible = self.engine.output(d.request_id).outputs[d.index].text  # cut at a stop string
         else:
             visible = sample.decoder.text
-            stops = live.stream.params.stop or []
-            cuts = [visible.find(s) for s in stops if s in visible]
-            visible = visible[:min(cuts)] if cuts else visible[:len(visible) - live.hold]
+            p = live.stream.params
+            sample.num_tokens += len(d.token_ids)
+            if sample.num_tokens < p.min_tokens:
+                sample.floor = len(visible)  # the text of the first min_tokens - 1 tokens, when they are in
+            cut = p.stop_cut(visible, sample.floor) if sample.num_tokens >= p.min_tokens else None
+            visible = visible[:cut] if cut is not None else visible[:len(visible) - live.hold]
         text = visible[len(sample.sent):] if visible.startswith(sample.sent) else ""
         sample.sent += text
-        return StreamEvent(d.index, d.token_ids, text, d.logprobs, d.finish_reason)
+        return StreamEvent(d.index, d.token_ids, text, d.logprobs, d.finish_reason, d.prompt_logprobs)
 
     def _publish_stats(self) -> None:
         sch = self.engine.scheduler

@@ -4,7 +4,8 @@ step() returns the requests that finished in the step; run_step() also returns e
 tokens (with log-probabilities when asked), which a streaming front end forwards as they come.
 
 Stop conditions: max_tokens (the scheduler's), EOS unless ignore_eos, stop_token_ids, stop
-strings (output text is cut where the stop string begins).
+strings (output text is cut where the stop string begins, or after it with include_stop_str_in_output);
+none but max_tokens before min_tokens tokens (the sampler masks EOS and the stop tokens until then).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs: None, then token 1's...
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # set in the step the sample finishes
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on sample 0's first delta, when asked for
 
 
 @dataclass
@@ -248,7 +251,7 @@ class Engine:
         if ec.device == "cuda" and ec.cuda_graphs:
             self.executor.capture_graphs(sc.max_num_seqs, sc.max_model_len, ec.progress)
         self._stats = {"t": time.monotonic(), "prompt": 0, "generated": 0}
-        self.sampler = Sampler(ec.seed)
+        self.sampler = Sampler(ec.seed, self.model.cfg.eos_token_ids)
         self.tracer = NullTracer()
         self.requests: dict[int, Request] = {}
         self._seq_request: dict[int, tuple[Request, int]] = {}  # seq_id -> (request, sample index)
@@ -457,8 +460,10 @@ class Engine:
             lp = sampled.logprobs.get(seq.seq_id)
             if seq.is_finished:
                 self._finalize(seq)
+            first = index == 0 and seq.num_output_tokens == 1 and seq.params.prompt_logprobs is not None
             out.deltas.append(Delta(req.request_id, index, [sampled.tokens[seq.seq_id]], [lp] if lp else [],
-                                    seq.finish_reason if seq.is_finished else None))
+                                    seq.finish_reason if seq.is_finished else None,
+                                    [None] + list(seq.prompt_logprobs) if first else None))
             if seq.is_finished and all(s.is_finished for s in req.seqs):
                 done[req.request_id] = None  # once, after every sample of it this step is final
         for rid in done:
@@ -480,15 +485,24 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         p, last = seq.params, seq.token_ids[-1]
+        if seq.num_output_tokens < p.min_tokens:
+            return None
         if not p.ignore_eos and last in self.model.cfg.eos_token_ids:
             return "stop"
         if p.stop_token_ids and last in p.stop_token_ids:
             return "stop"
         if p.stop and self.tokenizer is not None:
             text = self.tokenizer.decode_continuation(seq.prompt_token_ids, seq.output_token_ids)
-            if any(s in text for s in p.stop):
+            if p.stop_cut(text, self.stop_floor(seq)) is not None:
                 return "stop"
         return None
+
+    def stop_floor(self, seq: Sequence) -> int:
+        """Characters of the output no stop string may end within: those of its first min_tokens - 1 tokens."""
+        m = seq.params.min_tokens
+        if m <= 1 or not seq.params.stop or self.tokenizer is None:
+            return 0
+        return len(self.tokenizer.decode_continuation(seq.prompt_token_ids, seq.output_token_ids[:m - 1]))
 
     def _finalize(self, seq: Sequence) -> None:
         """Final text: decoded output, cut at the first stop string."""
@@ -497,9 +511,9 @@ class Engine:
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode_continuation(seq.prompt_token_ids, seq.output_token_ids)
-            cuts = [text.find(s) for s in (seq.params.stop or []) if s in text]
-            if cuts:
-                text = text[:min(cuts)]
+            cut = seq.params.stop_cut(text, self.stop_floor(seq))
+            if cut is not None:
+                text = text[:cut]
                 seq.finish_reason = "stop"  # a stop string wins over max_tokens reached in the same step
         req.texts[seq.seq_id] = text
 
@@ -507,8 +521,10 @@ class Engine:
         req = self.requests[request_id]
         outs = [CompletionOutput(i, req.texts.get(s.seq_id, ""), [t for t in s.output_token_ids if t >= 0],
                                  s.finish_reason) for i, s in enumerate(req.seqs)]  # (< 0: on its way from the GPU)
+        s0 = req.seqs[0]
+        plp = [None] + list(s0.prompt_logprobs) if s0.params.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
-                             all(s.is_finished for s in req.seqs))
+                             all(s.is_finished for s in req.seqs), plp)
 
     def _log_stats(self, batch, num_sampled: int) -> None:
         """Throughput at INFO every log_stats_interval seconds (counted whatever the log level)."""

@@ -30,6 +30,7 @@ from .graphs import DecodeGraphs
 from .kernels import KernelBackend, TVMCPUBackend
 from .model import LlamaForCausalLM
 from .offload import OffloadPlan, StreamCopies, SyncCopies
+from .sampling import TokenLogprob
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 from .step import Staging, StepInputs, device_step, fill_pending, host_step
@@ -160,4 +161,28 @@ class Executor:
             fill_pending(step.input_ids, pending)
         plan = self.kernels.plan_step(len(hs.input_ids), len(hs.page_table), hs.page_table.shape[1] * self.page_size)
         hidden = self.forward(step, plan)
+        self._prompt_logprobs(batch, hidden)
         return step.sample_seqs, self.model.logits(hidden[step.sample_rows])
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """For sequences whose request asks for prompt log-probabilities, the log-softmax of every row of their
+        prompt chunk gives the next prompt token's entry (and the top k), appended to seq.prompt_logprobs; a
+        position already recorded (a recomputation after preemption) is not recorded again. Waits for the
+        device: only steps with such a request pay for it."""
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            k = seq.params.prompt_logprobs
+            start, row0 = seq.num_computed_tokens, row
+            row += n
+            if k is None:
+                continue
+            lo, hi = max(start, len(seq.prompt_logprobs)), min(start + n, seq.num_prompt_tokens - 1)
+            if lo >= hi:
+                continue
+            lp = torch.log_softmax(self.model.logits(hidden[row0 + lo - start:row0 + hi - start]).float(), dim=-1)
+            targets = torch.tensor(seq.token_ids[lo + 1:hi + 1], device=lp.device)
+            chosen = lp.gather(1, targets.unsqueeze(1))
+            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+            top_v, top_i = (torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+            for t, c, r, tv, ti in zip(targets.tolist(), chosen[:, 0].tolist(), ranks, top_v.tolist(), top_i.tolist()):
+                seq.prompt_logprobs.append(TokenLogprob(t, c, list(zip(ti, tv)), r))

@@ -5,7 +5,8 @@ launch() queues the sampling ops on the logits' stream and the copy of their res
 no host synchronisation (every index and parameter goes up through pinned memory); the PendingSample it returns
 waits for them in result(). sample() is both in one call.
 
-Order per row: logit_bias, penalties (repetition over prompt + output, presence and frequency over
+Order per row: logit_bias, min_tokens (EOS unless ignore_eos, and stop_token_ids, masked to -inf while
+the output is shorter), penalties (repetition over prompt + output, presence and frequency over
 output), then greedy rows take the argmax; the others are divided by their temperature, softmaxed,
 filtered by top-k, top-p and min-p, and sampled by the exponential race argmax(p / q),
 q ~ Exp(1). Each sequence draws q from its own torch.Generator (seeded by SamplingParams.seed, else
@@ -47,6 +48,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+    rank: int | None = None  # of token_id among all (1 = most likely), where known
 
 
 @dataclass
@@ -75,6 +77,23 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     dev = logits.device
     return logits.index_put((to_device(rows, dev), to_device(cols, dev)), to_device(vals, dev, torch.float32),
                             accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids) -> torch.Tensor:
+    """-inf on the tokens that would end a sequence whose output is still shorter than its min_tokens."""
+    rows, cols = [], []
+    for i, s in enumerate(seqs):
+        p = s.params
+        if s.num_output_tokens < p.min_tokens:
+            ends = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
+            ends = [t for t in ends if t < logits.shape[1]]
+            rows += [i] * len(ends)
+            cols += ends
+    if not rows:
+        return logits
+    dev = logits.device
+    return logits.index_put((to_device(rows, dev), to_device(cols, dev)),
+                            torch.tensor(float("-inf"), device=dev))
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
@@ -165,8 +184,9 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, eos_token_ids=()):
         self._seeds = random.Random(seed)  # seeds for requests that bring none
+        self.eos_token_ids = tuple(eos_token_ids)  # masked until a request's min_tokens
         self._generators: dict[int, torch.Generator] = {}
 
     def generator(self, seq: Sequence, device) -> torch.Generator:
@@ -196,7 +216,7 @@ class Sampler:
             tokens = torch.argmax(logits, dim=-1)
             return PendingSample(list(seqs), tokens, {"tokens": tokens}, [], None)
         raw = logits.float()
-        x = apply_penalties(apply_logit_bias(raw, seqs), seqs)
+        x = apply_penalties(apply_min_tokens(apply_logit_bias(raw, seqs), seqs, self.eos_token_ids), seqs)
         greedy = [s.params.greedy for s in seqs]
         tokens = torch.argmax(x, dim=-1)  # first index among ties
         if not all(greedy):

@@ -287,8 +287,9 @@ class Scheduler:
                 group = self._group(seq)
                 if c.policy == "prefix" and group is not None and group in prefilling:
                     continue  # its shared prefix is being computed: join next step and hit the cache
-                prefix = kv.match_prefix(seq)
-                from_tier = self._tier_match(seq, len(prefix))
+                # a request for prompt log-probabilities computes its whole prompt: no cached prefix
+                prefix = kv.match_prefix(seq) if seq.params.prompt_logprobs is None else []
+                from_tier = self._tier_match(seq, len(prefix)) if seq.params.prompt_logprobs is None else []
                 if from_tier:  # the prefix continues in the offload tier: restore it, compute nothing yet
                     if kv.allocate_slots(seq, len(from_tier) * c.page_size, prefix) is None:
                         break

@@ -47,6 +47,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0                       # no EOS, stop token or stop string ends it before this many tokens
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
+    prompt_logprobs: int | None = None        # k: each prompt token's log-probability and the k most likely
 
     def __post_init__(self):
         def number_in(name, lo, hi, lo_open=False, hi_text=None):
@@ -89,6 +92,14 @@ class SamplingParams:
                                  f"got {self.logit_bias!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs)
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.prompt_logprobs!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
 
     @property
     def greedy(self) -> bool:
@@ -97,11 +108,25 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """Greedy with nothing applied to the logits first and no log-probabilities asked: the token is the argmax."""
-        return self.greedy and not self.logit_bias and not self.has_penalties and self.logprobs is None
+        return (self.greedy and not self.logit_bias and not self.has_penalties and self.logprobs is None
+                and not self.min_tokens)
 
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    def stop_cut(self, text: str, floor: int = 0) -> int | None:
+        """Where the text ends at the earliest stop string whose match ends after `floor` characters (the text
+        of the first min_tokens - 1 tokens): the match's start, or its end with include_stop_str_in_output.
+        None: no stop string ends it."""
+        best = None
+        for s in self.stop or ():
+            i = text.find(s, max(0, floor - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, i + len(s))
+        if best is None:
+            return None
+        return best[1] if self.include_stop_str_in_output else best[0]
 
     def check_vocab(self, vocab_size: int) -> None:
         """logit_bias may only name token ids in [0, vocab_size)."""
@@ -128,6 +153,8 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None        # "stop" | "length" | "abort", set by whoever finishes it
     parent_id: int | None = None            # set on forked children (n > 1)
+    # params.prompt_logprobs: entry p is token p + 1's (a TokenLogprob), filled in as the prompt is computed
+    prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self):
         if not isinstance(self.token_ids, list):

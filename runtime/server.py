@@ -1,8 +1,11 @@
 """OpenAI-compatible HTTP server over AsyncEngine (FastAPI + uvicorn).
 
 Routes: /v1/completions, /v1/chat/completions (both with SSE streaming), /v1/models, /health,
-/metrics (Prometheus, vLLM's metric names) and llama.cpp's /completion. Bad input gets a 4xx with an
-OpenAI-style error body; a full queue gets 503 with Retry-After; with an API key, /v1/* and
+/metrics (Prometheus, vLLM's metric names), llama.cpp's /completion, and /tokenize, /detokenize in vLLM's
+shapes (which take llama-server's `content` / `add_special` / `with_pieces` too and answer with both servers'
+keys). Prompts are scored with echo + logprobs (max_tokens 0: the prompt alone) or vLLM's prompt_logprobs. A
+body field the server does not implement is a 400 that names it (`user` alone is accepted and ignored). Bad
+input gets a 4xx with an OpenAI-style error body; a full queue gets 503 with Retry-After; with an API key, /v1/* and
 /completion want `Authorization: Bearer KEY`. A client that disconnects has its request aborted,
 which frees its pages before the engine's next step. Each response carries the request's timing
 (TTFT, TPOT, inter-token latency, end to end) in a `timings` field (a stream: in its last content
@@ -60,14 +63,18 @@ class APIError(Exception):
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
-    err = e.errors()[0]
+    errs = e.errors()
+    err = next((x for x in errs if x.get("type") == "extra_forbidden"), errs[0])
     loc = ".".join(str(p) for p in err.get("loc", ()))
+    if err.get("type") == "extra_forbidden":
+        return f"unsupported field {loc!r}: this server does not implement it", loc
     return (f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))), (loc or None)
 
 
 # ---- request bodies -----------------------------------------------------------------------------
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """A request body: a field not declared here is a 400 that names it (nothing is silently ignored)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Body):
@@ -94,12 +101,16 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    min_tokens: int = 0                       # vLLM's: no EOS / stop token / stop string before this many
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string stays in the text
+    user: str | None = None                   # accepted and ignored, as vLLM does
 
 
 class CompletionBody(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False            # with logprobs: the prompt's tokens' too (max_tokens 0 scores the prompt alone)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the k most likely, per choice
 
 
 class Message(BaseModel):
@@ -131,6 +142,24 @@ class LlamaCppBody(_Body):
     stream: bool = False
     ignore_eos: bool = False
     n_probs: int = 0
+
+
+class TokenizeBody(_Body):
+    """vLLM's /tokenize (prompt or messages, add_special_tokens) and llama-server's (content, add_special)."""
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM's: token_strs, each token's text
+    with_pieces: bool = False        # llama-server's: tokens as [{"id", "piece"}]
+
+
+class DetokenizeBody(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -458,6 +487,21 @@ class _Served:
                                 f"{self.max_model_len} tokens", param="prompt")
         return await asyncio.to_thread(self._encode, prompt)
 
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The tokenizer's ids of a text (no vocabulary or emptiness checks), in a worker thread after the cap."""
+        self.check_chars(len(text), "prompt")
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        V = self.engine.model.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {V})", param="tokens")
+        if len(ids) > self.max_model_len:
+            raise APIError(400, f"{len(ids)} tokens; at most this model's context of {self.max_model_len}",
+                           param="tokens")
+        return await asyncio.to_thread(self.tokenizer.decode, ids)
+
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """Token ids of a chat: the template rendered and tokenised in a worker thread after the length cap."""
         chars = 0
@@ -565,6 +609,38 @@ class _Served:
                 offsets.append(off)
                 off += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _text(self, tid: int) -> str:
+        return self.tokenizer.token_text(tid) if self.tokenizer else str(tid)
+
+    def echo_logprobs(self, prompt_ids: list[int], prompt_lps: list, k: int, generated: dict, echoed: str) -> dict:
+        """OpenAI's legacy logprobs of an echoed prompt (the first token's null) followed by the generated ones;
+        the offsets are into the echoed text (which lacks the leading space a first word's token text has)."""
+        tokens, lps, tops, offsets, off = [], [], [], [], 0
+        texts = [self._text(t) for t in prompt_ids]
+        dropped = max(0, sum(map(len, texts)) - len(echoed))
+        for text, e in zip(texts, prompt_lps):
+            tokens.append(text)
+            lps.append(None if e is None else e.logprob)
+            tops.append(None if e is None else {self._text(t): v for t, v in e.top[:k]})
+            offsets.append(max(0, off - dropped))
+            off += len(text)
+        return {"tokens": tokens + generated["tokens"], "token_logprobs": lps + generated["token_logprobs"],
+                "top_logprobs": tops + generated["top_logprobs"], "text_offset": offsets + generated["text_offset"]}
+
+    def vllm_prompt_logprobs(self, prompt_lps: list, k: int) -> list:
+        """vLLM's prompt_logprobs: per prompt position null (the first) or {token id: {logprob, rank,
+        decoded_token}} holding the prompt's token and the k most likely."""
+        out = []
+        for e in prompt_lps:
+            if e is None:
+                out.append(None)
+                continue
+            d = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": self._text(t)} for r, (t, v) in
+                 enumerate(e.top[:k])}
+            d[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": self._text(e.token_id)}
+            out.append(d)
+        return out
 
     def chat_logprobs(self, events: list[StreamEvent]) -> dict:
         def entry(tid, v):
@@ -675,6 +751,42 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                            param="model", code="model_not_found")
         return model_card()
 
+    # -- vLLM's /tokenize and /detokenize (llama-server's field names accepted too)
+    @app.post("/tokenize", dependencies=protected)
+    async def tokenize(request: Request):
+        body: TokenizeBody = await served.body(request, TokenizeBody)
+        served.check_model(body.model)
+        if served.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if body.prompt is not None and body.content is not None:
+            raise APIError(400, "give prompt or content, not both", param="content")
+        if body.add_special_tokens is not None and body.add_special is not None:
+            raise APIError(400, "give add_special_tokens or add_special, not both", param="add_special")
+        text = body.prompt if body.prompt is not None else body.content
+        special = body.add_special_tokens if body.add_special_tokens is not None else body.add_special
+        if (text is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt (or content) and messages", param="prompt")
+        if body.messages is not None:
+            if special:
+                raise APIError(400, "add_special_tokens with messages is not supported: the chat template "
+                                    "places the special tokens", param="add_special_tokens")
+            ids = await served.encode_chat([m.model_dump() for m in body.messages], body.add_generation_prompt)
+        else:
+            ids = await served.tokenize(text, True if special is None else special)
+        strs = [served.tokenizer.token_text(t) for t in ids] if body.return_token_strs or body.with_pieces else None
+        tokens = [{"id": t, "piece": p} for t, p in zip(ids, strs)] if body.with_pieces else ids
+        return {"count": len(ids), "max_model_len": served.max_model_len, "tokens": tokens,
+                "token_strs": strs if body.return_token_strs else None}
+
+    @app.post("/detokenize", dependencies=protected)
+    async def detokenize(request: Request):
+        body: DetokenizeBody = await served.body(request, DetokenizeBody)
+        served.check_model(body.model)
+        if served.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        text = await served.detokenize(body.tokens)
+        return {"prompt": text, "content": text}
+
     # -- /v1/completions
     @app.post("/v1/completions", dependencies=protected)
     async def completions(request: Request):
@@ -690,9 +802,17 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
             raise APIError(400, "prompt must not be empty", param="prompt")
         _check_stream_options(body)
         served.check_stop(body.stop)
+        score_only = body.max_tokens == 0  # the engine samples one token the response leaves out
+        if score_only and not body.echo:
+            raise APIError(400, "max_tokens: 0 needs echo: true (it scores the prompt)", param="max_tokens")
+        want_prompt_lp = body.prompt_logprobs is not None or (body.echo and body.logprobs is not None)
+        if body.stream and (score_only or want_prompt_lp):
+            raise APIError(400, "prompt log-probabilities (echo with logprobs, prompt_logprobs) and max_tokens: 0 "
+                                "are not supported with stream: true", param="stream")
         ids = [await served.encode(p) for p in prompts]
-        max_tokens = min(served.max_tokens(body.max_tokens, len(i), 16) for i in ids)
-        params = _sampling_params(body, max_tokens, logprobs=body.logprobs)
+        max_tokens = min(served.max_tokens(1 if score_only else body.max_tokens, len(i), 16) for i in ids)
+        prompt_k = max(body.prompt_logprobs or 0, (body.logprobs or 0) if body.echo else 0) if want_prompt_lp else None
+        params = _sampling_params(body, max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_k)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await served.start(ids, params, body.priority)
         n = params.n
@@ -709,15 +829,29 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                                  lambda i, evs: [chunk(i, e) for e in evs if e.text or e.finish_reason or e.logprobs])
 
         got = await _until_disconnect(request, _collect(served, streams, lambda i, e: i * n + e.index))
+        prompt_lps = [next((e.prompt_logprobs for e in got.get(i * n, []) if e.prompt_logprobs is not None), None)
+                      for i in range(len(prompts))]
         choices = []
         for idx in range(len(prompts) * n):
             evs = got.get(idx, [])
-            text = echo[idx // n] + "".join(e.text for e in evs)
             reason = next((e.finish_reason for e in evs if e.finish_reason), None)
-            lp = served.completion_logprobs(evs, len(echo[idx // n])) if params.logprobs is not None else None
-            choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": reason})
+            if score_only:
+                evs, reason = [], "length"
+            text = echo[idx // n] + "".join(e.text for e in evs)
+            lp = None
+            if params.logprobs is not None:
+                lp = served.completion_logprobs(evs, len(echo[idx // n]))
+                if body.echo:
+                    lp = served.echo_logprobs(ids[idx // n], prompt_lps[idx // n], body.logprobs, lp, echo[idx // n])
+            choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": reason}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = served.vllm_prompt_logprobs(prompt_lps[idx // n], body.prompt_logprobs)
+            choices.append(choice)
+        usage = served.usage(streams)
+        if score_only:
+            usage = _usage(usage["prompt_tokens"], 0)
         return {"id": rid, "object": "text_completion", "created": _now(), "model": cfg.model_name,
-                "choices": choices, "usage": served.usage(streams), "timings": served.timings(streams)}
+                "choices": choices, "usage": usage, "timings": served.timings(streams)}
 
     # -- /v1/chat/completions
     @app.post("/v1/chat/completions", dependencies=protected)
@@ -822,12 +956,15 @@ def _check_stream_options(body: _Sampling) -> None:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
 
-def _sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     return _params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                    min_p=body.min_p, presence_penalty=body.presence_penalty,
                    frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                    seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, n=body.n,
-                   ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias))
+                   ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
+                   min_tokens=body.min_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
+                   prompt_logprobs=prompt_logprobs)
 
 
 # ---- entry point --------------------------------------------------------------------------------

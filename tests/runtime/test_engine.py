@@ -249,3 +249,34 @@ def test_bad_kv_cache_dtypes_are_one_line_errors(kw, needle):
     with pytest.raises(ValueError) as e:
         LLM(STORIES260K, **kw)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("setup", ["plain", "recompute", "prefix-chunked"])
+def test_prompt_logprobs_equal_the_reference(setup):
+    """params.prompt_logprobs: RequestOutput.prompt_logprobs is None and then each prompt token's entry (its
+    rank, the top k), equal to the runtime's forward outside the engine, over prefill chunks, a prefix already
+    cached and preemptions by recompute (no position twice), with n > 1 and async scheduling."""
+    import numpy as np
+    from model_helpers import prompt_logprobs
+
+    llm = LLM(STORIES260K, cpu_threads=1, async_scheduling=True, **SETUPS[setup])
+    eng = llm.engine
+    prompts = [p for p in PROMPTS if not isinstance(p, list)] * 2
+    ids = [eng.add_request(p, replace(q, prompt_logprobs=2)) for p, q in zip(prompts, PARAMS * 2)]
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            done[out.request_id] = out
+    if setup == "recompute":
+        assert eng.scheduler.num_preemptions > 0
+    for rid, p in zip(ids, prompts):
+        out = done[rid]
+        toks = out.prompt_token_ids
+        ref = prompt_logprobs(llm.engine.executor, toks) if len(toks) > 1 else np.zeros(0)
+        plp = out.prompt_logprobs
+        assert len(plp) == len(toks) and plp[0] is None
+        assert [e.token_id for e in plp[1:]] == toks[1:]
+        np.testing.assert_allclose([e.logprob for e in plp[1:]], ref, atol=1e-4)
+        for e in plp[1:]:
+            assert len(e.top) == 2 and e.top[0][1] >= e.top[1][1] and e.rank >= 1
+            assert (e.rank == 1) == (e.top[0][0] == e.token_id)

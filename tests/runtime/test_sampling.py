@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from uacompile.runtime.sampling import Sampler, apply_logit_bias, apply_penalties, filter_probs
+from uacompile.runtime.sampling import Sampler, apply_logit_bias, apply_min_tokens, apply_penalties, filter_probs
 from uacompile.runtime.sequence import SamplingParams, Sequence
 
 V = 50
@@ -37,6 +37,10 @@ def logits_for(rng, n):
     (dict(logit_bias={3: 101}), "logit_bias must map token ids >= 0 to numbers in [-100, 100]"),
     (dict(logit_bias={-1: 1}), "logit_bias must map token ids"),
     (dict(max_tokens=True), "max_tokens must be an int >= 1"),
+    (dict(max_tokens=4, min_tokens=5), "min_tokens must be an int in [0, max_tokens=4]"),
+    (dict(min_tokens=-1), "min_tokens must be an int in [0, max_tokens=16]"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be a bool"),
+    (dict(prompt_logprobs=21), "prompt_logprobs must be an int in [0, 20]"),
 ])
 def test_bad_params_name_the_option_and_range(kw, needle):
     with pytest.raises(ValueError) as e:
@@ -174,3 +178,27 @@ def test_argmax_only_rows_take_the_first_maximum_and_the_others_their_options(rn
     assert biased.tokens == {0: 7, 1: 3}
     fast = Sampler().launch([seq(i, plain) for i in range(3)], x)
     assert fast.result().tokens == {i: int(x[i].argmax()) for i in range(3)}
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    logits = torch.zeros(3, V)
+    seqs = [Sequence(i, [1, 2] + [3] * out, 2, SamplingParams(min_tokens=3, stop_token_ids=[7], ignore_eos=ie))
+            for i, (out, ie) in enumerate(((0, False), (2, True), (3, False)))]
+    got = apply_min_tokens(logits, seqs, eos_token_ids=(5,))
+    assert got[0, 5] == got[0, 7] == -math.inf and torch.isfinite(got[0, :5]).all()
+    assert got[1, 7] == -math.inf and got[1, 5] == 0  # ignore_eos: EOS is an ordinary token
+    assert torch.isfinite(got[2]).all()  # reached: nothing masked
+    out = Sampler(0, eos_token_ids=(5,)).sample(seqs[:1], torch.nn.functional.one_hot(torch.tensor([5]), V).float())
+    assert out.tokens[0] != 5  # the greedy favourite is an EOS: masked
+
+
+@pytest.mark.parametrize("text,stops,floor,include,want", [
+    ("ab.cd.ef", ["."], 0, False, 2),
+    ("ab.cd.ef", ["."], 0, True, 3),
+    ("ab.cd.ef", ["."], 3, False, 5),    # the first match ends within the floor
+    ("ab.cd.ef", ["d.e"], 5, False, 4),  # a match may start within the floor and end past it
+    ("ab.cd.ef", ["x", "cd", "b."], 0, False, 1),
+    ("ab.cd.ef", ["x"], 0, False, None),
+])
+def test_stop_cut(text, stops, floor, include, want):
+    assert SamplingParams(stop=stops, include_stop_str_in_output=include).stop_cut(text, floor) == want

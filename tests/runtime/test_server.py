@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -229,7 +230,7 @@ BAD = [
     (b"[1, 2]", 400, "JSON object"),
     ({"max_tokens": 4}, 400, "prompt"),
     ({"prompt": 5}, 400, "prompt"),
-    ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens must be an int >= 1"),
+    ({"prompt": "a", "max_tokens": -1}, 400, "max_tokens must be an int >= 1"),
     ({"prompt": "a", "max_tokens": "7"}, 400, "max_tokens"),
     ({"prompt": "a", "max_tokens": 10 ** 6}, 400, "exceeds the context"),
     ({"prompt": "a " * 3000, "max_tokens": 4}, 400, "context"),
@@ -587,9 +588,9 @@ def test_only_json_bodies(server):
 
 def test_request_size_limit():
     with running_server(server_kw={"max_request_bytes": 4096}) as (url, _):
-        ok = {"prompt": "One day", "max_tokens": 2, "junk": "x" * 3000}
+        ok = {"prompt": "One day", "max_tokens": 2, "user": "x" * 3000}
         assert httpx.post(url + "/v1/completions", json=ok).status_code == 200
-        big = {**ok, "junk": "x" * 5000}
+        big = {**ok, "user": "x" * 5000}
         r = httpx.post(url + "/v1/completions", json=big)
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
 
@@ -614,7 +615,9 @@ def test_json_depth_and_stop_caps(server):
         assert r.status_code == 400 and "nests deeper" in r.json()["error"]["message"], r.text
         r = httpx.post(server + path, json=nested)
         assert r.status_code == 400 and "nests deeper than 64" in r.json()["error"]["message"], r.text
-    assert completion(server, prompt="a", max_tokens=2, x=json.loads("[" * 62 + "]" * 62)).status_code == 200
+    msg = {"role": "user", "content": "a", "x": json.loads("[" * 60 + "]" * 60)}  # depth 64 in all
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": [msg], "max_tokens": 2})
+    assert r.status_code == 200, r.text
     many, long = ["a"] * 33, ["a" * 257]
     for path, body in (("/v1/completions", {"prompt": "a", "max_tokens": 2}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}),
@@ -681,3 +684,272 @@ def test_listen_socket_is_tcp_for_nodelay():
             assert sock.proto == socket.IPPROTO_TCP and sock.type == socket.SOCK_STREAM
     with pytest.raises(OSError, match="cannot listen on no-such-host.invalid:80"):
         listen_socket("no-such-host.invalid", 80)
+
+
+# ---- tokenize / detokenize ----------------------------------------------------------------------
+def test_tokenize_and_detokenize_round_trip(server):
+    """vLLM's shapes; llama-server's field names give the same ids; the ids are the ones generation uses."""
+    text = "Once upon a time"
+    r = httpx.post(server + "/tokenize", json={"prompt": text})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    ids = LLM(stories_path(), cpu_threads=1).engine.encode_prompt(text)[1]
+    assert got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] >= len(ids)
+    bare = httpx.post(server + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert bare == ids[1:]  # stories260K's tokenizer adds BOS
+    assert httpx.post(server + "/tokenize", json={"content": text, "add_special": False}).json()["tokens"] == bare
+    strs = httpx.post(server + "/tokenize", json={"prompt": text, "return_token_strs": True}).json()["token_strs"]
+    assert len(strs) == len(ids) and "".join(strs).strip() == text
+    pieces = httpx.post(server + "/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert pieces == [{"id": t, "piece": p} for t, p in zip(ids, strs)]
+    back = httpx.post(server + "/detokenize", json={"tokens": ids}).json()
+    assert back["prompt"] == text and back["content"] == text
+    used = completion(server, prompt=text, max_tokens=1).json()["usage"]["prompt_tokens"]
+    assert used == got["count"]
+
+
+def test_tokenize_messages_equals_the_chat_prompt(server):
+    msgs = [{"role": "user", "content": "Hi there"}]
+    got = httpx.post(server + "/tokenize", json={"messages": msgs}).json()
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
+    assert got["count"] == r.json()["usage"]["prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/tokenize", {}, "exactly one of prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "exactly one of prompt"),
+    ("/tokenize", {"prompt": "a", "content": "a"}, "not both"),
+    ("/tokenize", {"prompt": "a", "with_piece": True}, "'with_piece'"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "a", "model": "other"}, "does not exist"),
+    ("/detokenize", {"tokens": [1, 999999]}, "outside the vocabulary"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+])
+def test_tokenize_bad_requests(server, path, body, needle):
+    r = httpx.post(server + path, json=body)
+    assert 400 <= r.status_code < 500, r.text
+    assert needle in r.json()["error"]["message"], r.text
+
+
+def test_tokenize_needs_the_api_key():
+    with running_server(api_key="sekret") as (url, _):
+        assert httpx.post(url + "/tokenize", json={"prompt": "a"}).status_code == 401
+        assert httpx.post(url + "/detokenize", json={"tokens": [1]}).status_code == 401
+        ok = httpx.post(url + "/tokenize", json={"prompt": "a"}, headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+
+
+# ---- min_tokens, include_stop_str_in_output -----------------------------------------------------
+LONG = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0}
+
+
+def _chat(url, **body):
+    return httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Once"}],
+                                                          "max_tokens": 40, "temperature": 0, **body}, timeout=60)
+
+
+def _streamed_text(url, path, body) -> str:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        evs = sse_events(r.iter_lines())
+    key = "text" if path == "/v1/completions" else "delta"
+    return "".join((c[key] if key == "text" else c[key].get("content", "")) or ""
+                   for e in evs if e != "[DONE]" for c in e["choices"])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_include_stop_str_in_output(server, path):
+    post = (lambda **b: completion(server, **LONG, **b)) if path == "/v1/completions" else \
+        (lambda **b: _chat(server, **b))
+    full = post().json()["choices"][0]
+    text = full["text"] if "text" in full else full["message"]["content"]
+    stop = next(ch for ch in ".,!" if ch in text[1:])
+    cut = text.index(stop)
+    for include, want in ((False, text[:cut]), (True, text[:cut + 1])):
+        body = {"stop": [stop], "include_stop_str_in_output": include}
+        c = post(**body).json()["choices"][0]
+        assert (c["text"] if "text" in c else c["message"]["content"]) == want
+        assert c["finish_reason"] == "stop"
+        base = LONG if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Once"}],
+                                                       "max_tokens": 40, "temperature": 0}
+        assert _streamed_text(server, path, {**base, **body}) == want
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_min_tokens_passes_early_stop_strings(server, path):
+    """A stop string inside the first min_tokens tokens does not end the output; the next one does."""
+    post = (lambda **b: completion(server, **LONG, **b)) if path == "/v1/completions" else \
+        (lambda **b: _chat(server, **b))
+    whole = post().json()
+    c = whole["choices"][0]
+    text = c["text"] if "text" in c else c["message"]["content"]
+    stop = next(ch for ch in ".," if text.count(ch) >= 2)
+    first = text.index(stop)
+    early = post(stop=[stop]).json()
+    assert early["usage"]["completion_tokens"] < 40
+    m = early["usage"]["completion_tokens"] + 1
+    late = post(stop=[stop], min_tokens=m).json()
+    lc = late["choices"][0]
+    got = lc["text"] if "text" in lc else lc["message"]["content"]
+    assert got == text[:text.index(stop, first + 1)] and lc["finish_reason"] == "stop"
+    assert late["usage"]["completion_tokens"] >= m
+    base = LONG if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Once"}],
+                                                   "max_tokens": 40, "temperature": 0}
+    assert _streamed_text(server, path, {**base, "stop": [stop], "min_tokens": m}) == got
+
+
+def test_min_tokens_masks_eos_and_stop_tokens(server):
+    """The stop token greedy decoding picks early is masked until min_tokens: the output is at least that long,
+    the token is nowhere before it, and the server's text equals the offline API's."""
+    llm = LLM(stories_path(), cpu_threads=1)
+    prompt = "Once upon a time"
+    ids = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].token_ids
+    stop_tok = ids[3]
+    first = ids.index(stop_tok)
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop_token_ids": [stop_tok]}
+    assert completion(server, **body).json()["usage"]["completion_tokens"] == first + 1
+    m = first + 6
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_tok],
+                                                min_tokens=m))[0].outputs[0]
+    assert len(out.token_ids) >= m and stop_tok not in out.token_ids[:m - 1]
+    r = completion(server, **body, min_tokens=m).json()
+    assert r["usage"]["completion_tokens"] == len(out.token_ids) and r["choices"][0]["text"] == out.text
+    # EOS: with ignore_eos off, a min_tokens output never holds an EOS before min_tokens
+    eos = set(llm.engine.model.cfg.eos_token_ids)
+    out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=60, min_tokens=50))[0].outputs[0]
+    assert len(out.token_ids) >= 50 and not eos & set(out.token_ids[:49])
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"min_tokens": 20, "max_tokens": 5}, "min_tokens must be an int in [0, max_tokens=5]"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+])
+def test_min_tokens_bad_values(server, body, needle):
+    r = completion(server, prompt="a", **body)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+# ---- fields the server does not implement -------------------------------------------------------
+UNSUPPORTED = [("/v1/completions", f) for f in ("best_of", "suffix", "response_format", "guided_json",
+                                                "guided_regex", "guided_choice", "guided_grammar", "no_such_field")] + \
+    [("/v1/chat/completions", f) for f in ("response_format", "tools", "tool_choice", "parallel_tool_calls",
+                                           "functions", "guided_json", "guided_choice", "no_such_field")] + \
+    [("/completion", f) for f in ("grammar", "json_schema", "no_such_field")]
+
+
+@pytest.mark.parametrize("path,field", UNSUPPORTED)
+def test_unsupported_fields_are_a_400_that_names_them(server, path, field):
+    body = {"prompt": "a"} if path != "/v1/chat/completions" else {"messages": [{"role": "user", "content": "a"}]}
+    limit = {"n_predict": 2} if path == "/completion" else {"max_tokens": 2}
+    r = httpx.post(server + path, json={**body, **limit, field: {"type": "json_object"}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and f"unsupported field {field!r}" in err["message"], err
+
+
+def test_unsupported_nested_field_is_named(server):
+    r = completion(server, prompt="a", stream=True, stream_options={"include_usage": True, "bogus": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.bogus", r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_user_is_accepted_and_ignored(server, path):
+    body = {"prompt": "Once"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Once"}]}
+    body = {**body, "max_tokens": 4, "temperature": 0}
+    a = httpx.post(server + path, json=body).json()["choices"][0]
+    b = httpx.post(server + path, json={**body, "user": "someone"}).json()["choices"][0]
+    assert a.get("text", a.get("message")) == b.get("text", b.get("message"))
+
+
+# ---- prompt logprobs ----------------------------------------------------------------------------
+SCORED = "Once upon a time, there was a little girl named Lily. She loved to play outside."
+
+
+@pytest.fixture(scope="module")
+def reference_prompt_logprobs():
+    """log p(token i | tokens before it) from the runtime's forward, one sequence outside the engine."""
+    from model_helpers import prompt_logprobs
+    llm = LLM(stories_path(), cpu_threads=1)
+    ids = llm.engine.encode_prompt(SCORED)[1]
+    return ids, prompt_logprobs(llm.engine.executor, ids)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(reference_prompt_logprobs):
+    """OpenAI's legacy shape: the prompt's tokens, the first logprob null, nothing generated; equal to the
+    reference over prefill chunks and again when the prompt's pages are in the prefix cache."""
+    ids, ref = reference_prompt_logprobs
+    with running_server(page_size=4, max_prefill_chunk=8) as (url, _):
+        for _ in range(2):
+            r = completion(url, prompt=SCORED, max_tokens=0, echo=True, logprobs=3, temperature=0)
+            assert r.status_code == 200, r.text
+            c = r.json()["choices"][0]
+            assert c["text"] == SCORED and c["finish_reason"] == "length"
+            assert r.json()["usage"]["completion_tokens"] == 0
+            lp = c["logprobs"]
+            assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            np.testing.assert_allclose(lp["token_logprobs"][1:], ref, atol=1e-4)
+            offs = lp["text_offset"]
+            assert offs == sorted(offs) and all(SCORED[o:].startswith(t) for o, t in zip(offs[2:], lp["tokens"][2:]))
+            for top, chosen in zip(lp["top_logprobs"][1:], lp["token_logprobs"][1:]):
+                assert len(top) <= 3 and max(top.values()) >= chosen - 1e-6
+        # echo + logprobs with generation: the prompt's entries, then the generated tokens'
+        r = completion(url, prompt=SCORED, max_tokens=3, echo=True, logprobs=0, temperature=0, ignore_eos=True).json()
+        lp = r["choices"][0]["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 3 and lp["token_logprobs"][0] is None
+        np.testing.assert_allclose(lp["token_logprobs"][1:len(ids)], ref, atol=1e-4)
+
+
+def test_vllm_prompt_logprobs(server, reference_prompt_logprobs):
+    ids, ref = reference_prompt_logprobs
+    r = completion(server, prompt=[ids, ids[:5]], max_tokens=2, prompt_logprobs=2, temperature=0, n=2)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 4
+    for c, want in zip(choices, (ids, ids, ids[:5], ids[:5])):
+        plp = c["prompt_logprobs"]
+        assert len(plp) == len(want) and plp[0] is None
+        for pos, entry in enumerate(plp[1:], 1):
+            own = entry[str(want[pos])]
+            assert abs(own["logprob"] - ref[pos - 1]) < 1e-4
+            others = [v for k, v in entry.items() if k != str(want[pos])]
+            assert len(entry) in (2, 3) and {v["rank"] for v in others} <= {1, 2}
+            higher = sum(v["logprob"] > own["logprob"] for v in others)
+            assert own["rank"] == higher + 1 if own["rank"] <= 2 else higher == len(others) == 2
+        assert c["logprobs"] is None
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"max_tokens": 0}, "max_tokens: 0 needs echo"),
+    ({"max_tokens": 0, "echo": True, "stream": True}, "not supported with stream"),
+    ({"echo": True, "logprobs": 1, "stream": True}, "not supported with stream"),
+    ({"prompt_logprobs": 1, "stream": True}, "not supported with stream"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs must be an int in [0, 20]"),
+])
+def test_prompt_logprobs_bad_requests(server, body, needle):
+    r = completion(server, prompt="Once upon", **body)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_chat_prompt_logprobs_is_unsupported(server):
+    r = _chat(server, prompt_logprobs=1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
+def test_openai_sdk_scores_a_prompt_and_names_unsupported_fields(sdk, reference_prompt_logprobs):
+    """What lm-evaluation-harness's local-completions does for a loglikelihood: echo, max_tokens 0, logprobs."""
+    import openai
+    ids, ref = reference_prompt_logprobs
+    out = sdk.completions.create(model="stories260K", prompt=SCORED, max_tokens=0, echo=True, logprobs=1,
+                                 temperature=0)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == SCORED and lp.token_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], ref, atol=1e-4)
+    assert out.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="unsupported field 'response_format'"):
+        sdk.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                    response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="unsupported field 'best_of'"):
+        sdk.completions.create(model="stories260K", prompt="Hi", max_tokens=2, best_of=2)
+    ok = sdk.completions.create(model="stories260K", prompt="Hi", max_tokens=2, user="someone")
+    assert len(ok.choices) == 1 and ok.usage.prompt_tokens > 0
