@@ -36,3 +36,22 @@ def base_op(op) -> ir.PagedAttention:
 
 
 __all__ = ["AttentionConfig", "base_op", "config_of", "cuda_api_with", "pa_kernel"]
+
+
+def spill_stores(ops, tmp_path) -> list[int]:
+    """ptxas -v on sm_90 over the ops' rendered sources in one translation unit: the spill-store bytes of each kernel
+    (the compile must succeed)."""
+    import re
+    import subprocess
+
+    from uacompile.targets.cuda.build import INCLUDE_DIR
+    from uacompile.targets.cuda.render import render_op
+
+    src = tmp_path / "ops.cu"
+    src.write_text("\n".join(render_op(op, "sm_90") for op in ops))
+    proc = subprocess.run(["nvcc", "-O3", "-std=c++17", "-arch=sm_90", f"-I{INCLUDE_DIR}", "-Xptxas", "-v", "-c",
+                           str(src), "-o", str(tmp_path / "ops.o")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
+    assert spills, proc.stderr
+    return spills

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 
 import pytest
 
 from uacompile import ir
+
+from cuda_helpers import spill_stores
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
@@ -67,16 +68,7 @@ def test_layer_ops_compile_and_export_launchers(arch):
 
 def test_layer_ops_do_not_spill(tmp_path):
     """ptxas -v on sm_90: no kernel of the set spills registers (RoPE's float64 angles are the tightest)."""
-    from uacompile.targets.cuda.build import INCLUDE_DIR
-    from uacompile.targets.cuda.render import render_op
-
-    src = tmp_path / "layer.cu"
-    src.write_text("\n".join(render_op(op, "sm_90") for op in LAYER_OP_VARIANTS))
-    proc = subprocess.run(["nvcc", "-O3", "-std=c++17", "-arch=sm_90", f"-I{INCLUDE_DIR}", "-Xptxas", "-v", "-c",
-                           str(src), "-o", str(tmp_path / "layer.o")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
-    assert spills and max(spills) == 0, proc.stderr
+    assert max(spill_stores(LAYER_OP_VARIANTS, tmp_path)) == 0
 
 
 def test_friendly_calls_reject_bad_tensors():
