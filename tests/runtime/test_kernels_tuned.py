@@ -25,6 +25,16 @@ def db_with(path, buckets, env, config=TUNED):
     return db
 
 
+def attention_out(backend, inp: dict, plan):
+    """The backend's paged attention over testing.attention_inputs arrays, under plan (None: unplanned), into a
+    NaN-poisoned output."""
+    t = {n: torch.from_numpy(v) for n, v in inp.items() if isinstance(v, np.ndarray)}
+    out = torch.full_like(t["q"], float("nan"))
+    backend.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["token_seq"], t["page_table"], t["token_kv_len"],
+                            out, plan=plan)
+    return out
+
+
 def test_plan_step_takes_the_tuned_kernel_of_the_bucket(tmp_path, rng):
     env = cpu_environment()
     backend = TVMCPUBackend(OPS, tuned=Tuned(db_with(tmp_path / "t.json", ["decode:4x512"], env), "cpu", env))
@@ -32,13 +42,7 @@ def test_plan_step_takes_the_tuned_kernel_of_the_bucket(tmp_path, rng):
     assert k is not None and k.op.config == TUNED
     assert backend.plan_step(4, 4, 600) is None and backend.plan_step(40, 4, 300) is None  # other buckets
     inp = testing.attention_inputs(OPS.attention, rng, [300, 17, 250, 1])
-    t = {n: torch.from_numpy(v) for n, v in inp.items() if isinstance(v, np.ndarray)}
-    outs = []
-    for plan in (k, None):
-        out = torch.full_like(t["q"], float("nan"))
-        backend.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["token_seq"], t["page_table"],
-                                t["token_kv_len"], out, plan=plan)
-        outs.append(out)
+    outs = [attention_out(backend, inp, plan) for plan in (k, None)]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
     stale = {"device": "another cpu", "toolchain": env["toolchain"]}
     backend = TVMCPUBackend(OPS, tuned=Tuned(db_with(tmp_path / "s.json", ["decode:4x512"], stale), "cpu", env))
@@ -53,13 +57,7 @@ def test_one_token_steps_run_a_task_a_thread_bit_for_bit(threads, rng):
     k = backend.plan_step(1, 1, 300)
     assert k.op.config == TVMConfig(grain=-(-8 // threads)) and backend.plan_step(1, 1, 40) is k
     inp = testing.attention_inputs(OPS.attention, rng, [300])
-    t = {n: torch.from_numpy(v) for n, v in inp.items() if isinstance(v, np.ndarray)}
-    outs = []
-    for plan in (k, None):
-        out = torch.full_like(t["q"], float("nan"))
-        backend.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["token_seq"], t["page_table"],
-                                t["token_kv_len"], out, plan=plan)
-        outs.append(out)
+    outs = [attention_out(backend, inp, plan) for plan in (k, None)]
     assert bool(torch.isfinite(outs[0]).all()) and torch.equal(outs[0], outs[1])
 
 
