@@ -60,6 +60,26 @@ def evict_gpu_cache(kv):
 
 
 # ---- the tier's bookkeeping ---------------------------------------------------------------------
+def drain(sched, ex) -> None:
+    """Step until nothing is unfinished."""
+    while sched.has_unfinished():
+        b = sched.schedule()
+        sched.update(b, ex.execute(b))
+
+
+def served_once(n: int, **config):
+    """A scheduler over held copies (16 pages of 4, a 16-page tier saving from the start) that has served one
+    request of an n-token prompt to its end, its saves still held: (sched, ex, copies, prompt, the request)."""
+    cfg = SchedulerConfig(num_pages=16, page_size=4, num_offload_pages=16, offload_watermark=0, **config)
+    copies = HeldCopies()
+    sched, ex = Scheduler(cfg), FakeExecutor(cfg, copies)
+    prompt = [(k * 5) % 6 + 1 for k in range(n)]
+    a = seq(0, n, max_tokens=2, tokens=list(prompt))
+    sched.add(a)
+    drain(sched, ex)
+    return sched, ex, copies, prompt, a
+
+
 def running_seq(kv, i, n_tokens):
     s = seq(i, n_tokens)
     assert kv.allocate_slots(s, n_tokens) == []
@@ -168,16 +188,7 @@ def test_copies_held_back_give_the_reference_outputs(hold, rng):
 
 
 def test_a_restore_not_finished_is_not_scheduled_and_the_step_waits_for_it():
-    cfg = SchedulerConfig(num_pages=16, page_size=4, num_offload_pages=16, offload_watermark=0,
-                          max_num_batched_tokens=64, max_prefill_chunk=64)
-    copies = HeldCopies()
-    sched, ex = Scheduler(cfg), FakeExecutor(cfg, copies)
-    prompt = [(k * 5) % 6 + 1 for k in range(13)]
-    a = seq(0, 13, max_tokens=2, tokens=list(prompt))
-    sched.add(a)
-    while sched.has_unfinished():
-        b = sched.schedule()
-        sched.update(b, ex.execute(b))
+    sched, ex, copies, prompt, a = served_once(13, max_num_batched_tokens=64, max_prefill_chunk=64)
     copies.release_all()
     sched.schedule()  # the saves land: a's three full pages are in the tier
     assert sched.tier.stats.pages_offloaded == 3
@@ -193,9 +204,7 @@ def test_a_restore_not_finished_is_not_scheduled_and_the_step_waits_for_it():
     batch = sched.schedule()  # nothing else to run: the scheduler waits for the restore, then runs b2
     assert copies.waits == waits + 1 and batch.seqs == [b2] and batch.num_new_tokens == [1]
     sched.update(batch, ex.execute(batch))  # the fake executor checks every slot b2 attends
-    while sched.has_unfinished():
-        b = sched.schedule()
-        sched.update(b, ex.execute(b))
+    drain(sched, ex)
     copies.release_all()
     assert b2.output_token_ids == a.output_token_ids
     assert sched.stats()["prefix_hits_cpu"] == 12 and sched.stats()["pages_restored"] == 3
@@ -213,15 +222,7 @@ def test_saves_that_finish_only_when_waited_for_lose_no_kv(rng):
 
 
 def test_a_save_in_flight_keeps_its_page_in_the_gpu_prefix_cache():
-    cfg = SchedulerConfig(num_pages=16, page_size=4, num_offload_pages=16, offload_watermark=0)
-    copies = HeldCopies()
-    sched, ex = Scheduler(cfg), FakeExecutor(cfg, copies)
-    prompt = [(k * 5) % 6 + 1 for k in range(9)]
-    a = seq(0, 9, max_tokens=2, tokens=list(prompt))
-    sched.add(a)
-    while sched.has_unfinished():
-        b = sched.schedule()
-        sched.update(b, ex.execute(b))
+    sched, ex, copies, prompt, a = served_once(9)
     assert sched.tier.busy and sched.kv.pins  # a finished; its two saves are held
     c = seq(1, 9, max_tokens=2, tokens=list(prompt))
     sched.add(c)
@@ -234,15 +235,7 @@ def test_a_save_in_flight_keeps_its_page_in_the_gpu_prefix_cache():
 
 
 def test_abort_of_a_restoring_sequence_keeps_its_pages_until_the_copy_lands():
-    cfg = SchedulerConfig(num_pages=16, page_size=4, num_offload_pages=16, offload_watermark=0)
-    copies = HeldCopies()
-    sched, ex = Scheduler(cfg), FakeExecutor(cfg, copies)
-    prompt = [(k * 5) % 6 + 1 for k in range(9)]
-    a = seq(0, 9, max_tokens=2, tokens=list(prompt))
-    sched.add(a)
-    while sched.has_unfinished():
-        b = sched.schedule()
-        sched.update(b, ex.execute(b))
+    sched, ex, copies, prompt, a = served_once(9)
     copies.release_all()
     sched.schedule()
     evict_gpu_cache(sched.kv)
