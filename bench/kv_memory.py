@@ -45,11 +45,9 @@ from uacompile.runtime.memory import page_bytes
 from uacompile.runtime.model import ModelConfig
 from uacompile.runtime.sequence import SamplingParams
 
-QWEN3_8B = dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
-                max_position_embeddings=40960, qk_norm=True, torch_dtype="bfloat16")
-TINY = dict(arch="qwen3", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-            num_kv_heads=2, head_dim=16, max_position_embeddings=4096, qk_norm=True, torch_dtype="float32")
+sys.path.insert(0, str(Path(__file__).parent))  # PYTHONSAFEPATH runs leave the script's folder out
+from serving_gpu import QWEN3_8B, TINY, write_report  # noqa: E402
+
 KV_DTYPES = ("bf16", "fp8_e4m3", "int8")  # on the CPU (a float32 model) the first is the model's: fp32
 PREEMPTIONS = ("recompute", "swap", "offload")
 WEIGHTS = ("bf16", "q8_0")
@@ -263,21 +261,12 @@ COLS = ["workload", "weights", "kv_cache_dtype", "preemption", "offload_pages_pe
 def report(meta: dict, out: Path) -> int:
     rows = meta["rows"]
     meta["targets"] = target_checks(rows)
-    stem = out / f"kv-memory-{meta['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(meta, indent=1))
-    lines = [f"# KV memory, {meta['gpu']}, {meta['date']}", "", f"Model: {meta['model']}. Command: "
-             f"`{meta['command']}`", "", "max_seqs_no_preemption: the pool's pages // the pages one sequence needs "
-             "(prompt + outputs); peak_running: the most running at once in the run; pool_share: the pool's tokens / "
-             "the work's.", "", "| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
-    lines += ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in COLS) + " |" for r in rows]
-    lines += ["", "## Targets", "", "| target | value | met |", "|---|---:|---|"]
-    lines += [f"| {c['target']} | {c['value']} | {'yes' if c['met'] else 'no'} |" for c in meta["targets"]]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        plot(meta, stem.with_suffix(".png"))
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
+    header = [f"# KV memory, {meta['gpu']}, {meta['date']}", "", f"Model: {meta['model']}. Command: "
+              f"`{meta['command']}`", "", "max_seqs_no_preemption: the pool's pages // the pages one sequence needs "
+              "(prompt + outputs); peak_running: the most running at once in the run; pool_share: the pool's tokens / "
+              "the work's.", ""]
+    write_report(out / f"kv-memory-{meta['date']}", meta, header, COLS,
+                 lambda r, c: "" if r.get(c) is None else str(r.get(c)), plot)
     return 0
 
 

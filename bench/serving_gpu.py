@@ -453,23 +453,30 @@ def report(meta: dict, out: Path) -> int:
     rows = meta["rows"]
     meta["targets"] = target_checks(rows)
     kv = meta.get("kv_cache_dtype", "auto")  # an 8-bit run is written beside the model-dtype one
-    stem = out / f"serving-{meta['date']}{'' if kv == 'auto' else '-kv-' + kv}"
-    stem.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     cols = ["workload", "impl", "weights", "kv_cache_dtype", "ttft_mean_s", "ttft_p99_s", "tpot_ms", "decode_step_ms", "output_tok_s", "ttft_floor_s",
             "tpot_floor_ms"]
-    lines = [f"# Serving, {meta['gpu']}, {meta['date']}", "", f"Model: {meta['model']}. Floors measured in the run: "
-             f"bf16 matmul {meta['floors']['matmul_tflops']} TFLOP/s, copy {meta['floors']['copy_gbps']} GB/s.", "",
-             f"Command: `{meta['command']}`", "", *([meta["note"], ""] if meta.get("note") else []), "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "bf16" if c == "weights" else "")) for c in cols) + " |" for r in rows]
+    header = [f"# Serving, {meta['gpu']}, {meta['date']}", "", f"Model: {meta['model']}. Floors measured in the run: "
+              f"bf16 matmul {meta['floors']['matmul_tflops']} TFLOP/s, copy {meta['floors']['copy_gbps']} GB/s.", "",
+              f"Command: `{meta['command']}`", "", *([meta["note"], ""] if meta.get("note") else [])]
+    write_report(out / f"serving-{meta['date']}{'' if kv == 'auto' else '-kv-' + kv}", meta, header, cols,
+                 lambda r, c: str(r.get(c, "bf16" if c == "weights" else "")), plot)
+    return 0
+
+
+def write_report(stem: Path, meta: dict, header: list[str], cols: list[str], cell, plot_fn) -> None:
+    """A benchmark's files: stem.json (meta), stem.md (header, a table of meta's rows in cols with cell(row, col),
+    then meta's targets; also printed) and stem.png (plot_fn(meta, path), skipped without matplotlib)."""
+    stem.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+    lines = [*header, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in meta["rows"]]
     lines += ["", "## Targets", "", "| target | value | met |", "|---|---:|---|"]
     lines += [f"| {c['target']} | {c['value']} | {'yes' if c['met'] else 'no'} |" for c in meta["targets"]]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
-        plot(meta, stem.with_suffix(".png"))
+        plot_fn(meta, stem.with_suffix(".png"))
     except ImportError:
         print("(matplotlib not installed: no plot)")
-    return 0
 
 
 def plot(meta: dict, path: Path) -> None:
