@@ -4,8 +4,6 @@
 #   bash bench/weights_device.sh start          # llama.cpp's build in the background, the Qwen3-8B bf16 GGUF
 #   bash bench/weights_device.sh quantize bench # wait for the build, llama-quantize Q8_0 and Q4_K_M, start the table
 #   bash bench/weights_device.sh wait           # wait for the table (up to UA_WAIT seconds), copy it to $OUT
-#   UA_GPU_FIRST="..." UA_GPU_TESTS="..." bash bench/weights_device.sh tests  # two groups of GPU tests, the first
-#     group's success marked in /tmp/first_ok (a later call can pick its tree by it)
 #   bash bench/weights_device.sh smol-a ... smol  # SmolLM2's GPU tests: its 98 MB GGUF is more than one call carries,
 #     so its halves travel in two calls (split -b 50000000 into .carry/smol-a/smolpart.aa and .carry/smol-b/smolpart.ab;
 #     carry .carry/smol-a with smol-a, .carry/smol-b with smol)
@@ -50,14 +48,6 @@ for phase in "$@"; do
       tar czf "$OUT/llama-cpp-logs.tgz" -C /tmp/serving $(cd /tmp/serving && ls llama-cpp-*.log 2>/dev/null) /tmp/lcpp.log 2>/dev/null
       tail -60 /tmp/serving/bench.log
       ;;
-    tests)  # UA_GPU_FIRST's tests, then UA_GPU_TESTS'; /tmp/first_ok marks the first group green
-      python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -n ${UA_GPU_WORKERS:-4} --dist loadfile $UA_GPU_FIRST 2>&1 \
-        | tee "$OUT/pytest-first.log" && touch /tmp/first_ok
-      rc=$(( rc || PIPESTATUS[0] ))
-      python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -n ${UA_GPU_WORKERS:-4} --dist loadfile $UA_GPU_TESTS 2>&1 \
-        | tee "$OUT/pytest-gpu.log"
-      rc=$(( rc || PIPESTATUS[0] ))
-      ;;
     smol-a)
       cp .carry/smol-a/smolpart.aa /tmp/smolpart.aa || rc=1
       ;;
@@ -70,7 +60,7 @@ for phase in "$@"; do
         tests/runtime/test_model_smollm2.py -m gpu 2>&1 | tee "$OUT/pytest-smollm2.log"
       rc=$(( rc || PIPESTATUS[0] ))
       ;;
-    *) echo "unknown phase $phase (start | tests | quantize | bench | wait | smol-a | smol)"; exit 2 ;;
+    *) echo "unknown phase $phase (start | quantize | bench | wait | smol-a | smol)"; exit 2 ;;
   esac
 done
 exit $rc
