@@ -8,6 +8,8 @@ read; x and out are under 1% of them), its ratio to the device copy ceiling meas
 weights). Every timing is a CUDA-graph replay over several weight copies in turn (timing.time_graphs), so that L2
 (50 MB) does not hold the weights. dequantize's GB/s count packed bytes read + bf16 bytes written. The prefill
 path: dequantize into a scratch buffer + torch.matmul against plain bf16 torch.matmul, TFLOP/s at T = 512 and 2048.
+--variants also times, beside the default kernel (one time_graphs call), the kernels of VARIANTS (a
+QuantMatmulConfig each: the tensor-core kernel at every row count) for VARIANT_FORMATS at 1-8 rows.
 Writes quant_gemv.json and quant_gemv.md into --out; prints the table last.
 """
 from __future__ import annotations
@@ -26,12 +28,16 @@ from timing import copy_ceiling_gbps, time_graphs  # noqa: E402
 
 from uacompile import ir  # noqa: E402
 from uacompile.targets.cuda import api  # noqa: E402
+from uacompile.targets.cuda.config import QuantMatmulConfig  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # (K, N)
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL = (512, 2048)
 FORMATS = tuple(ir.WEIGHT_FORMATS)
 COPY_BYTES = 256 << 20  # weight copies a timing cycles through: at least this many bytes (5x L2)
+VARIANTS = {"tensor cores": QuantMatmulConfig(gemv_tokens=0)}
+VARIANT_FORMATS = ("q8_0", "q4_k", "q6_k")  # the served formats (Q8_0; Q4_K_M holds q4_k and q6_k rows)
+VARIANT_ROWS = (1, 2, 4, 8)
 
 
 def copies_for(nbytes: int) -> int:
@@ -46,6 +52,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="o_proj and gate_up only, rounds 10")
+    ap.add_argument("--variants", action="store_true", help="also time VARIANTS' kernels at 1-8 rows")
+    ap.add_argument("--build-only", action="store_true", help="build the kernels into the cache and stop")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -54,12 +62,17 @@ def main() -> int:
     t0 = time.time()
     ops = [ir.QuantMatmul(K, N, f, "bf16") for (K, N) in shapes.values() for f in FORMATS]
     ops += [ir.Dequantize(K, f, "bf16") for K in sorted({K for K, _ in shapes.values()}) for f in FORMATS]
+    if args.variants:
+        ops += [ir.Kernel(ir.QuantMatmul(K, N, f, "bf16"), c) for (K, N) in shapes.values() for f in VARIANT_FORMATS
+                for c in VARIANTS.values()]
     api.preload(ops)
     print(f"built {len(ops)} kernels in {time.time() - t0:.0f} s", flush=True)
+    if args.build_only:
+        return 0
     ceiling, _ = copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows_out, deq_out, prefill_out = [], [], []
+    rows_out, deq_out, prefill_out, variant_out = [], [], [], []
     for name, (K, N) in shapes.items():
         # cuBLAS bf16 beside
         wb = 2 * N * K
@@ -79,7 +92,19 @@ def main() -> int:
             for T in ROWS:
                 ls = [kern.launcher({"weight": w}, {"x": xs[T], "out": outs[T]}) for w in ws]
                 fns[T] = [(lambda l=l, T=T: l(xs[T], outs[T])) for l in ls]
+            variants = VARIANTS if args.variants and fmt in VARIANT_FORMATS else {}
+            for vname, cfg in variants.items():
+                vk = api.kernel(ir.Kernel(ir.QuantMatmul(K, N, fmt, "bf16"), cfg))
+                for T in VARIANT_ROWS:
+                    ls = [vk.launcher({"weight": w}, {"x": xs[T], "out": outs[T]}) for w in ws]
+                    fns[(vname, T)] = [(lambda l=l, T=T: l(xs[T], outs[T])) for l in ls]
             res = time_graphs(fns, calls=2, rounds=rounds)
+            for vname in variants:
+                for T in VARIANT_ROWS:
+                    ms = res[(vname, T)].ms
+                    variant_out.append(dict(shape=name, K=K, N=N, format=fmt, rows=T, variant=vname, ms=ms,
+                                            gbps=nbytes / ms / 1e6, pct_ceiling=100 * nbytes / ms / 1e6 / ceiling,
+                                            default_ms=res[T].ms))
             for T in ROWS:
                 ms = res[T].ms
                 gbps = nbytes / ms / 1e6
@@ -122,7 +147,8 @@ def main() -> int:
         del w16, plain, res
         torch.cuda.empty_cache()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_ceiling_gbps=ceiling,
-                rows=rows_out, dequantize=deq_out, prefill=prefill_out, seconds=time.time() - t0)
+                rows=rows_out, dequantize=deq_out, prefill=prefill_out, variants=variant_out,
+                seconds=time.time() - t0)
     (out_dir / "quant_gemv.json").write_text(json.dumps(meta, indent=1))
     md = table(meta)
     (out_dir / "quant_gemv.md").write_text(md)
@@ -153,6 +179,22 @@ def table(meta: dict) -> str:
     for fmt in FORMATS:
         cells = {r["shape"]: r for r in meta["dequantize"] if r["format"] == fmt}
         lines.append(f"| {fmt} | " + " | ".join(f"{cells[s]['gbps']:.0f} ({cells[s]['pct_ceiling']:.0f}%)" for s in shapes) + " |")
+    if meta.get("variants"):
+        lines += ["", "## variants at 1-8 rows, timed beside the default kernel: us (% of the copy ceiling)", "",
+                  "| shape | format | kernel | " + " | ".join(f"T={T}" for T in VARIANT_ROWS) + " |",
+                  "|---|---|---|" + "---|" * len(VARIANT_ROWS)]
+        for s in shapes:
+            for fmt in VARIANT_FORMATS:
+                vs = [r for r in meta["variants"] if r["shape"] == s and r["format"] == fmt]
+                if not vs:
+                    continue
+                dflt = {r["rows"]: r for r in meta["rows"] if r["shape"] == s and r["format"] == fmt}
+                lines.append(f"| {s} | {fmt} | default | " + " | ".join(
+                    f"{dflt[T]['ms'] * 1e3:.1f} ({dflt[T]['pct_ceiling']:.0f}%)" for T in VARIANT_ROWS) + " |")
+                for vname in dict.fromkeys(r["variant"] for r in vs):
+                    cells = {r["rows"]: r for r in vs if r["variant"] == vname}
+                    lines.append(f"| {s} | {fmt} | {vname} | " + " | ".join(
+                        f"{cells[T]['ms'] * 1e3:.1f} ({cells[T]['pct_ceiling']:.0f}%)" for T in VARIANT_ROWS) + " |")
     lines += ["", "## prefill: dequantize into scratch + torch.matmul vs bf16 torch.matmul (TFLOP/s)", "",
               "| format | " + " | ".join(f"{s} T={T}" for s in shapes for T in PREFILL) + " |",
               "|---|" + "---|" * (len(shapes) * len(PREFILL))]

@@ -30,7 +30,8 @@ DEFAULT_CONFIGS = ("warps=4,stages=4,m_tiles=1:1:2:2;warps=8,stages=4,m_tiles=1:
 
 
 def parse(text: str) -> QuantMatmulConfig:
-    kw = {}
+    """A config of the tensor-core kernel at every row count (gemv_tokens=0 unless the text sets it)."""
+    kw = {"gemv_tokens": 0}
     for item in text.split(","):
         k, _, v = item.partition("=")
         kw[k] = tuple(int(m) for m in v.split(":")) if ":" in v else int(v)

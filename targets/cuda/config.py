@@ -143,13 +143,29 @@ class QuantMatmulConfig:
     warps: warps a block, splitting K into units of 256 weights (added up in the block at the end).
     stages: units a warp has in flight (cp.async into shared memory), 2-8.
     m_tiles: 16-row weight tiles a warp (1, 2 or 4): more rows a warp reuse each activation fragment more.
+
+    Up to gemv_tokens tokens (0, 1, 2, 4 or 8; None: the format's render.GEMV_RULE_TOKENS) run on CUDA cores instead
+    (QuantGemv: 32 rows a block, kernels of 1, 2, 4 and 8 tokens); gemv_warps (4 or 8) and gemv_stages (2-4) set
+    its warps a block and stages in flight a warp.
+    pdl: both kernels launch with programmatic dependent launch on Hopper (their first weights load while the
+    kernel before them drains).
     """
 
     warps: tuple[int, int, int, int] | int | None = None
     stages: tuple[int, int, int, int] | int | None = None
     m_tiles: tuple[int, int, int, int] | int | None = None
+    gemv_tokens: int | None = None
+    gemv_warps: int | None = None
+    gemv_stages: int | None = None
+    pdl: bool = True
 
     def __post_init__(self):
+        for name, ok in {"gemv_tokens": (0, 1, 2, 4, 8), "gemv_warps": (4, 8), "gemv_stages": (2, 3, 4)}.items():
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or v not in ok):
+                raise IRError(f"QuantMatmulConfig.{name}", f"must be one of {ok} or None, got {v!r}")
+        if not isinstance(self.pdl, bool):
+            raise IRError("QuantMatmulConfig.pdl", f"must be a bool, got {self.pdl!r}")
         allowed = {"warps": (1, 2, 4, 8), "stages": tuple(range(2, 9)), "m_tiles": (1, 2, 4)}
         for name, ok in allowed.items():
             v = getattr(self, name)

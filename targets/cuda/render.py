@@ -254,16 +254,66 @@ def quant_matmul_fits(op: ir.QuantMatmul, cfg: QuantMatmulConfig | None = None, 
                for (w, st, mt), nt in zip(quant_matmul_tiles(op, cfg), TOKEN_TILES))
 
 
+GEMV_TOKENS = (1, 2, 4, 8)  # tokens of the CUDA-core kernels (QuantGemv's NT)
+GEMV_SMS = 132  # multiprocessors the CUDA-core rule fills (H200)
+GEMV_TWO_BLOCKS = 113 * 1024  # shared memory a block where two blocks share a multiprocessor (228 KB, 1 KB each kept)
+
+
+def quant_gemv_smem(op: ir.QuantMatmul, tokens: int, warps: int, stages: int, pair: int) -> int:
+    """Shared memory of a block of the CUDA-core kernel (QuantGemv<...>::Layout<row bytes>::SMEM_BYTES); pair:
+    units of 256 weights a stage."""
+    f = op.format
+    ub, rb = 256 // f.block * f.nbytes, op.in_features // f.block * f.nbytes
+    wide = rb % 16 == 0 and ub % 16 == 0
+    wmax, cw = (pair * ub // 16, 16) if wide else ((pair * ub + 5) // 4, 4)
+    stride = ((wmax * cw + 15) // 16) | 1
+    warp = stages * 32 * stride * 16 + pair * tokens * (256 + 16) * 4
+    return max(warps * warp, warps * tokens * 32 * 4)
+
+
+# the rule's gemv_tokens by format: the most tokens at which the CUDA-core kernel was at least as fast as the
+# tensor-core kernel on most Qwen3-8B shapes (H200, bench/results/quant_gemv-2026-12-02.md)
+GEMV_RULE_TOKENS = {"q8_0": 2, "q4_0": 1, "q4_1": 1, "q4_k": 2, "q5_k": 2, "q6_k": 1}
+
+
+def quant_gemv_tiles(op: ir.QuantMatmul, cfg: QuantMatmulConfig | None = None) -> list[tuple[int, int, int, int]]:
+    """(tokens, warps, stages, units a stage) of each CUDA-core kernel, up to gemv_tokens tokens (GEMV_RULE_TOKENS
+    of the format by the rule; none for float32). The rule: 8 warps a block where the blocks of 32 rows fit one wave of
+    GEMV_SMS blocks (one a multiprocessor), else 4 warps with two blocks a multiprocessor (all of a 6144-row
+    layer's 192 blocks resident at once); two units a stage up to 2 tokens where two stages of them fit, else
+    one; then the most stages (up to 4) that fit."""
+    if op.dtype == "fp32":
+        return []
+    most = cfg.gemv_tokens if cfg is not None and cfg.gemv_tokens is not None else GEMV_RULE_TOKENS[op.weight_format]
+    out = []
+    for nt in GEMV_TOKENS:
+        if nt > most:
+            break
+        w = 8 if -(-op.out_features // 32) <= GEMV_SMS else 4
+        w = cfg.gemv_warps if cfg is not None and cfg.gemv_warps else w
+        limit = SMEM_LIMIT if w == 8 else GEMV_TWO_BLOCKS
+        pair = 2 if nt <= 2 and quant_gemv_smem(op, nt, w, 2, 2) <= limit else 1
+        st = next((s for s in (4, 3, 2) if quant_gemv_smem(op, nt, w, s, pair) <= limit), 2)
+        st = cfg.gemv_stages if cfg is not None and cfg.gemv_stages else st
+        if quant_gemv_smem(op, nt, w, st, pair) > SMEM_LIMIT:
+            break
+        out.append((nt, w, st, pair))
+    return out
+
+
 def _quant_matmul(kernel: ir.Kernel, arch: str):
-    """16-bit activations run on tensor cores (quant_matmul_tiles), float32 on CUDA cores."""
+    """16-bit activations run on CUDA cores up to gemv_tokens tokens (quant_gemv_tiles) and on tensor cores
+    beyond (quant_matmul_tiles), float32 on CUDA cores."""
     op = kernel.op
     cfg = kernel.config if isinstance(kernel.config, QuantMatmulConfig) else None
     if op.dtype != "fp32" and not quant_matmul_fits(op, cfg):
         raise ir.IRError("QuantMatmulConfig", f"{cfg} needs more than {SMEM_LIMIT} bytes of shared memory a block "
                                                f"for {op.weight_format}: fewer warps, stages or m_tiles")
+    use_pdl = pdl(arch) and (cfg.pdl if cfg is not None else True)
     return "cuda/quant_matmul.cu.j2", dict(
         N=op.out_features, K=op.in_features, fmt=op.weight_format, fmt_enum=FMT_ENUMS[op.weight_format],
-        c_type=ir.DTYPES[op.dtype].c, tensor_cores=op.dtype != "fp32", tiles=quant_matmul_tiles(op, cfg))
+        c_type=ir.DTYPES[op.dtype].c, tensor_cores=op.dtype != "fp32", tiles=quant_matmul_tiles(op, cfg),
+        gemv=quant_gemv_tiles(op, cfg), pdl=use_pdl)
 
 
 def _dequantize(op: ir.Dequantize, arch: str):

@@ -102,7 +102,12 @@ __global__ void ptx_kernel(float* out, const uint4* in) {
 template <ua::qm::Fmt F, class T, int MT, int NT, int W, int S>
 __global__ void qm_kernel(const T* x, const uint8_t* w, T* out, int64_t n) {
   extern __shared__ __align__(16) uint8_t smem[];
-  ua::qm::QuantMatmul<F, T, MT, NT, W, S>::kernel(x, w, out, n, 4096, 4096, smem);
+  ua::qm::QuantMatmul<F, T, MT, NT, W, S>::template kernel<false>(x, w, out, n, 4096, 4096, smem);
+}
+template <ua::qm::Fmt F, class T, int NT, int W, int S, int P, int64_t RB>
+__global__ void qm_gemv(const T* x, const uint8_t* w, T* out, int64_t n) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  ua::qm::QuantGemv<F, T, NT, W, S, P>::template kernel<RB, true>(x, w, out, n, 4096, 4096, smem);  // RB: K = 4096
 }
 template <ua::qm::Fmt F, class T>
 __global__ void qm_simple(const T* x, const uint8_t* w, T* out, int64_t n) {
@@ -116,6 +121,9 @@ template __global__ void qm_kernel<ua::qm::Fmt::Q4_1, ua::bf16, 2, 4, 4, 3>(cons
 template __global__ void qm_kernel<ua::qm::Fmt::Q4_K, half, 1, 8, 4, 2>(const half*, const uint8_t*, half*, int64_t);
 template __global__ void qm_kernel<ua::qm::Fmt::Q5_K, ua::bf16, 1, 1, 1, 4>(const ua::bf16*, const uint8_t*, ua::bf16*, int64_t);
 template __global__ void qm_kernel<ua::qm::Fmt::Q6_K, half, 2, 2, 2, 2>(const half*, const uint8_t*, half*, int64_t);
+template __global__ void qm_gemv<ua::qm::Fmt::Q8_0, ua::bf16, 1, 8, 3, 1, 4352>(const ua::bf16*, const uint8_t*, ua::bf16*, int64_t);
+template __global__ void qm_gemv<ua::qm::Fmt::Q4_K, half, 2, 4, 2, 2, 2304>(const half*, const uint8_t*, half*, int64_t);
+template __global__ void qm_gemv<ua::qm::Fmt::Q6_K, ua::bf16, 8, 8, 2, 1, 3360>(const ua::bf16*, const uint8_t*, ua::bf16*, int64_t);
 template __global__ void qm_simple<ua::qm::Fmt::Q8_0, float>(const float*, const uint8_t*, float*, int64_t);
 template __global__ void qm_simple<ua::qm::Fmt::Q6_K, float>(const float*, const uint8_t*, float*, int64_t);
 template __global__ void qm_dequantize<ua::qm::Fmt::Q4_1, float>(const uint8_t*, float*, int64_t);

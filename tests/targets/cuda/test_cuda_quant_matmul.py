@@ -48,13 +48,42 @@ def test_config_picks_the_tiles():
         render_op(ir.Kernel(Q(4096, 4096, "q8_0", "bf16"), QuantMatmulConfig(warps=8, stages=8, m_tiles=4)))
 
 
+def test_config_picks_the_gemv_kernels():
+    from uacompile.targets.cuda.config import QuantMatmulConfig
+    from uacompile.targets.cuda.render import quant_gemv_tiles, render_op
+
+    op = Q(4096, 4096, "q4_k", "bf16")
+    # the rule: 1-2 tokens on CUDA cores (1 for q4_0, q4_1, q6_k), 8 warps where 128 blocks of 32 rows fit one
+    # wave, 4 beyond; two units a stage where they fit
+    assert quant_gemv_tiles(op) == [(1, 8, 2, 2), (2, 8, 2, 2)]
+    assert [nt for nt, _, _, _ in quant_gemv_tiles(Q(4096, 4096, "q6_k", "bf16"))] == [1]
+    assert {w for _, w, _, _ in quant_gemv_tiles(Q(4096, 6144, "q4_k", "bf16"))} == {4}
+    assert [p for _, _, _, p in quant_gemv_tiles(Q(4096, 4096, "q8_0", "bf16"))] == [1, 1]
+    assert quant_gemv_tiles(Q(4096, 4096, "q4_k", "fp32")) == []
+    src = render_op(op)
+    assert "launch_gemv<1, 8, 2, 2>" in src and "launch_gemv<2, 8, 2, 2>" in src and "launch_gemv<4," not in src
+    assert "cudaLaunchKernelEx" in src and "cudaLaunchKernelEx" not in render_op(op, "sm_80")
+    src = render_op(ir.Kernel(op, QuantMatmulConfig(gemv_tokens=8, gemv_warps=4, gemv_stages=2, pdl=False)))
+    assert "launch_gemv<2, 4, 2, 2>" in src and "launch_gemv<8, 4, 2, 1>" in src and "cudaLaunchKernelEx" not in src
+    assert "launch_gemv" not in render_op(ir.Kernel(op, QuantMatmulConfig(gemv_tokens=0))).split("extern")[1]
+    for bad in (dict(gemv_tokens=3), dict(gemv_warps=2), dict(gemv_stages=5), dict(pdl=1)):
+        with pytest.raises(ir.IRError, match="QuantMatmulConfig"):
+            QuantMatmulConfig(**bad)
+
+
 def test_every_rule_tile_fits():
-    from uacompile.targets.cuda.render import quant_matmul_fits, quant_matmul_tiles
+    from uacompile.targets.cuda.config import QuantMatmulConfig
+    from uacompile.targets.cuda.render import (GEMV_TWO_BLOCKS, SMEM_LIMIT, quant_gemv_smem, quant_gemv_tiles,
+                                               quant_matmul_fits, quant_matmul_tiles)
 
     for f in FORMATS:
         for K, N in ((4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (256, 100)):
             op = Q(K, N, f, "bf16")
             assert quant_matmul_fits(op), (op, quant_matmul_tiles(op))
+            gemv = quant_gemv_tiles(op, QuantMatmulConfig(gemv_tokens=8))
+            assert [nt for nt, _, _, _ in gemv] == [1, 2, 4, 8], (op, gemv)
+            assert all(quant_gemv_smem(op, nt, w, st, p) <= (SMEM_LIMIT if w == 8 else GEMV_TWO_BLOCKS)
+                       for nt, w, st, p in gemv), (op, gemv)
 
 
 def _build(ops, arch):
@@ -80,12 +109,15 @@ def test_every_format_and_dtype_compiles(arch):
 
 
 def test_small_token_tiles_do_not_spill(tmp_path):
-    """ptxas -v on sm_90: the 1-16 token kernels and dequantize keep off local memory for every format."""
+    """ptxas -v on sm_90: the CUDA-core kernels, the 1-16 token tensor-core kernels and dequantize keep off local
+    memory for every format."""
     from uacompile.targets.cuda.build import INCLUDE_DIR
+    from uacompile.targets.cuda.config import QuantMatmulConfig
     from uacompile.targets.cuda.render import render_op
 
     src = tmp_path / "q.cu"
-    ops = [Q(4096, 4096, f, "bf16") for f in FORMATS] + [D(4096, f, "fp16") for f in FORMATS]
+    ops = [ir.Kernel(Q(4096, 4096, f, "bf16"), QuantMatmulConfig(gemv_tokens=8)) for f in FORMATS]
+    ops += [D(4096, f, "fp16") for f in FORMATS]
     src.write_text("\n".join(render_op(op, "sm_90") for op in ops))
     proc = subprocess.run(["nvcc", "-O3", "-std=c++17", "-arch=sm_90", f"-I{INCLUDE_DIR}", "-Xptxas", "-v", "-c",
                            str(src), "-o", str(tmp_path / "q.o")], capture_output=True, text=True)
@@ -93,8 +125,10 @@ def test_small_token_tiles_do_not_spill(tmp_path):
     # ptxas prints each entry's "Compiling entry function '<name>'" then its spill line
     entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", proc.stderr, re.S)
     assert entries
-    small = [(name, int(n)) for name, n in entries if re.search(r"kernelILi\dELi[12]E", name) or "dequantize" in name]
+    small = [(name, int(n)) for name, n in entries if re.search(r"kernelILi\dELi[12]E", name) or "dequantize" in name
+             or "gemv" in name]
     assert small and all(n == 0 for _, n in small), small
+    assert sum("gemv" in name for name, _ in small) == 4 * len(FORMATS)
 
 
 def test_friendly_calls_reject_bad_tensors():

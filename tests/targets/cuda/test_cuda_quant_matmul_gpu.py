@@ -23,14 +23,33 @@ SHAPES = {f: ([(576, 200)] if f in ("q8_0", "q4_1") else []) + [(4096, 136), (12
 OPS = [ir.QuantMatmul(K, N, f, d) for f in FORMATS for (K, N) in SHAPES[f] for d in DTYPES]
 # more than 8192 rows: the wide-layer tiles of render.quant_matmul_tiles (4 warps a block)
 OPS += [ir.QuantMatmul(4096, 8200, "q4_k", "bf16"), ir.QuantMatmul(576, 8200, "q8_0", "fp16")]
+# K = 608: rows of 646 (q8_0) and 342 (q4_0) bytes, every other one at byte 2 of a word
+OPS += [ir.QuantMatmul(608, 72, "q8_0", "bf16"), ir.QuantMatmul(608, 72, "q4_0", "fp16")]
 DEQUANT = [ir.Dequantize(K, f, d) for f in FORMATS for K in sorted({K for K, _ in SHAPES[f]}) for d in DTYPES]
+
+
+def _variants():
+    from uacompile.targets.cuda.config import QuantMatmulConfig
+
+    # the tensor-core kernels at 1-2 tokens too (the CUDA-core ones take those by default), the CUDA-core kernels
+    # up to 8 tokens, and with other warps and stages, without programmatic dependent launch
+    out = [ir.Kernel(ir.QuantMatmul(K, N, f, d), QuantMatmulConfig(gemv_tokens=0))
+           for f in FORMATS for (K, N) in SHAPES[f][:1] for d in ("bf16", "fp16")]
+    out += [ir.Kernel(ir.QuantMatmul(K, N, f, d), QuantMatmulConfig(gemv_tokens=8))
+            for f in FORMATS for (K, N) in SHAPES[f][-1:] for d in ("bf16", "fp16")]
+    out += [ir.Kernel(ir.QuantMatmul(4096, 136, f, "bf16"),
+                      QuantMatmulConfig(gemv_tokens=8, pdl=False, gemv_warps=4, gemv_stages=2)) for f in FORMATS]
+    return out
+
+
+VARIANTS = _variants()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _built():
     from uacompile.targets.cuda import api
 
-    api.preload([*OPS, *DEQUANT])
+    api.preload([*OPS, *VARIANTS, *DEQUANT])
 
 
 def to_torch(a: np.ndarray) -> torch.Tensor:
@@ -47,10 +66,21 @@ def poisoned(shape, dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("op", OPS, ids=lambda o: f"{o.weight_format}-{o.in_features}x{o.out_features}-{o.dtype}")
 def test_quant_matmul_matches_reference(op):
+    check_against_reference(op)
+
+
+@pytest.mark.parametrize("kernel", VARIANTS, ids=lambda k: f"{k.op.weight_format}-{k.op.in_features}x"
+                                                           f"{k.op.out_features}-{k.op.dtype}-{k.config}")
+def test_quant_matmul_configs_match_reference(kernel):
+    check_against_reference(kernel)
+
+
+def check_against_reference(kernel):
     from uacompile.targets.cuda import api
 
-    rng = np.random.default_rng(zlib.crc32(repr(op).encode()))
-    kern = api.kernel(op)
+    op = ir.as_kernel(kernel).op
+    rng = np.random.default_rng(zlib.crc32(repr(kernel).encode()))
+    kern = api.kernel(kernel)
     weight = testing.random_quant_weight(rng, op.weight_format, op.out_features, op.in_features)
     w_dev = to_torch(weight)
     deq = reference.dequantize_blocks(weight, op.weight_format, op.in_features).astype(np.float64)
