@@ -134,6 +134,23 @@ class Executor:
                                          plan=plan, k_scale=k_scale, v_scale=v_scale)
             return out
 
+        op = self.model.prologue
+        if op is not None:
+            def prologue(layer: int, qkv, q_norm, k_norm):
+                """The packed projection qkv [T, Hq + 2 Hkv, D] -> attention out: norms, RoPE and the cache write in
+                one launch (ir.QKVRopeCache), then the paged-attention launch."""
+                k_cache, v_cache, k_scale, v_scale = caches[layer]
+                q = torch.empty((qkv.shape[0], op.num_q_heads, op.head_dim), dtype=qkv.dtype, device=qkv.device)
+                self.kernels.qkv_rope_cache(op, qkv=qkv, positions=step.positions, slot_mapping=step.slot_mapping, q_out=q,
+                                            k_cache=k_cache, v_cache=v_cache, q_norm=q_norm, k_norm=k_norm,
+                                            k_scale=k_scale, v_scale=v_scale)
+                out = torch.empty_like(q)
+                self.kernels.paged_attention(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=step.token_seq,
+                                             page_table=step.page_table, token_kv_len=step.token_kv_len, out=out,
+                                             plan=plan, k_scale=k_scale, v_scale=v_scale)
+                return out
+
+            attention.prologue = prologue
         return self.model(step.input_ids, step.positions, attention)
 
     @torch.inference_mode()

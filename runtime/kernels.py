@@ -89,6 +89,7 @@ class TorchLayerOps:
     """The model's layer ops in torch: the fallback of every backend without kernels for them."""
 
     packed_formats: frozenset = frozenset()  # the block formats the backend runs packed (QuantLinear); others decode at load
+    fuses_prologue: bool = False  # runs ir.QKVRopeCache (qkv_rope_cache): the model hands it the packed qkv
 
     def linear(self, module, x):
         """x @ W^T (+ bias) of a projection: dense (nn.Linear), packed blocks (QuantLinear: the outputs of its runs of
@@ -292,6 +293,15 @@ class KernelBackend(TorchLayerOps):
     def reshape_and_cache(self, k, v, slot_mapping, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
         scales = dict(k_scale=k_scale, v_scale=v_scale) if self.ops.quantized else {}
         self.run(self.ops.cache_write, k=k, v=v, slot_mapping=slot_mapping, k_cache=k_cache, v_cache=v_cache, **scales)
+
+    def qkv_rope_cache(self, op: ir.QKVRopeCache, qkv, positions, slot_mapping, q_out, k_cache, v_cache, q_norm=None,
+                       k_norm=None, k_scale=None, v_scale=None) -> None:
+        """The attention prologue (fuses_prologue backends): q_out and the K/V write from the packed qkv."""
+        extra = dict(k_scale=k_scale, v_scale=v_scale) if op.quantized else {}
+        if op.qk_norm:
+            extra.update(q_norm=q_norm, k_norm=k_norm)
+        self.run(op, qkv=qkv, positions=positions, slot_mapping=slot_mapping, q_out=q_out, k_cache=k_cache,
+                 v_cache=v_cache, **extra)
 
     def paged_attention(self, q, k_cache, v_cache, token_seq, page_table, token_kv_len, out, plan=None,
                         k_scale=None, v_scale=None) -> None:
@@ -638,6 +648,7 @@ class CUDABackend(KernelLayerOps, KernelBackend):
     every layer."""
 
     name = "cuda"
+    fuses_prologue = True
 
     def __init__(self, ops: KernelOps):
         super().__init__(ops)

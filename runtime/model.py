@@ -197,7 +197,13 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, attn, ops: TorchLayerOps) -> torch.Tensor:
         T, H, Hkv, D = x.shape[0], self.H, self.Hkv, self.D
-        q, k, v = ops.linear(self.qkv_proj, x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        qkv = ops.linear(self.qkv_proj, x)
+        prologue = getattr(attn, "prologue", None)
+        if prologue is not None:  # the backend's one launch: q/k norms, RoPE, the cache write (ir.QKVRopeCache)
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+            out = prologue(self.layer, qkv.view(T, H + 2 * Hkv, D), *norms)
+            return ops.linear(self.o_proj, out.reshape(T, H * D))
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         if self.q_norm is not None:  # Qwen3: RMSNorm of each head's q and k, before RoPE
             q = ops.rms_norm(q.reshape(T * H, D), self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k.reshape(T * Hkv, D), self.k_norm.weight, self.k_norm.eps)
@@ -273,6 +279,7 @@ class LlamaForCausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(cfg)  # float64, deliberately not a buffer: .to(dtype) must not round it
         self.rope_freq_factors: tuple[float, ...] = ()  # ir.Rope's form of inv_freq, set with it by _refresh_rope
         self.layer_backend: TorchLayerOps = TorchLayerOps()  # runs the layer ops (use_kernels: a backend's kernels)
+        self.prologue = None  # ir.QKVRopeCache where the backend fuses the attention prologue (use_kernels)
 
     def _refresh_rope(self, rope_freqs: torch.Tensor | None = None) -> None:
         """inv_freq and its ir.Rope form, from the config and rope_freqs (default: the buffer)."""
@@ -315,9 +322,23 @@ class LlamaForCausalLM(nn.Module):
                 quant[ir.QuantizeRows(module.in_features, dt)] = None
         return ops + list(quant)
 
+    def prologue_op(self, cache_write):
+        """The attention prologue of a layer as one ir.QKVRopeCache over the packed qkv projection, for the cache
+        cache_write (ir.ReshapeAndCache) describes: q/k norms (Qwen3), RoPE (rotate-half, the model's scaled
+        frequencies), the K/V write."""
+        from uacompile import ir
+
+        cfg = self.cfg
+        return ir.QKVRopeCache(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache_write.page_size, cache_write.dtype,
+                               cache_write.kv_dtype, cfg.qk_norm, cfg.rms_norm_eps, cfg.rope_theta,
+                               freq_factors=self.rope_freq_factors)
+
     def use_kernels(self, backend: TorchLayerOps) -> None:
-        """Run the layer ops through a kernel backend (kernels.KernelBackend), its kernels built now."""
-        backend.prepare_layers(self.layer_ops(self.dtype))
+        """Run the layer ops through a kernel backend (kernels.KernelBackend), its kernels built now; a backend that
+        fuses the attention prologue (fuses_prologue) runs prologue_op in place of the norms, RoPE and cache write."""
+        ops = self.layer_ops(self.dtype)
+        self.prologue = self.prologue_op(backend.ops.cache_write) if backend.fuses_prologue else None
+        backend.prepare_layers(ops + ([self.prologue] if self.prologue is not None else []))
         self.layer_backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:

@@ -599,6 +599,74 @@ class Rope(OpSpec):
                 TensorSpec("positions", "int64", ("num_tokens",)), size("num_tokens")]
 
 
+@dataclass(frozen=True)
+class QKVRopeCache(OpSpec):
+    """The attention block's prologue in one launch: the packed q/k/v projection qkv [T, Hq + 2 Hkv, D] (q heads,
+    then k, then v, as the fused matmul writes them) -> q_out [T, Hq, D] for attention, K and V into the paged cache.
+
+    With qk_norm (Qwen3), each q and k head is first RMSNorm'd over head_dim with q_norm / k_norm [D] (rms_norm's
+    math and roundings: out = dtype(dtype(h / rms(h)) * weight)). Then q and k are rotated at positions (rope's
+    math: NeoX rotate-half, or interleaved pairs; freq_factors divide the frequencies), each output rounded once to
+    dtype. The rotated K and V are written as reshape_and_cache writes them (slot_mapping, -1 skips; int8 / fp8
+    caches quantised per (token, head) with their scales). q_out is written for every token.
+    """
+
+    kind: ClassVar[str] = "qkv_rope_cache"
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int = 16
+    dtype: str = "fp16"  # qkv, q_out and the norm weights
+    kv_dtype: str = "fp16"
+    qk_norm: bool = False
+    eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_interleaved: bool = False
+    freq_factors: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        _check_positive(self, "num_q_heads", "num_kv_heads", "head_dim", "page_size")
+        _check_pow2(self, "page_size", 1, 256)
+        _check_choice(self, "dtype", FLOAT_DTYPES)
+        _check_choice(self, "kv_dtype", KV_DTYPES)
+        if self.kv_dtype not in QUANT_DTYPES and self.kv_dtype != self.dtype:
+            raise IRError(f"{self.kind}.kv_dtype", f"a float KV cache must match dtype ({self.dtype}), got {self.kv_dtype}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise IRError(f"{self.kind}.num_q_heads", f"must be a multiple of num_kv_heads ({self.num_kv_heads}), "
+                                                      f"got {self.num_q_heads}")
+        if self.head_dim % 2:
+            raise IRError(f"{self.kind}.head_dim", f"must be even, got {self.head_dim}")
+        for name in ("qk_norm", "rope_interleaved"):
+            if not isinstance(getattr(self, name), bool):
+                raise IRError(f"{self.kind}.{name}", f"must be a bool, got {getattr(self, name)!r}")
+        if not (isinstance(self.eps, (int, float)) and self.eps > 0 and math.isfinite(self.eps)):
+            raise IRError(f"{self.kind}.eps", f"must be finite and > 0, got {self.eps!r}")
+        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise IRError(f"{self.kind}.rope_theta", f"must be finite and > 0, got {self.rope_theta!r}")
+        try:
+            object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))
+        except (TypeError, ValueError):
+            raise IRError(f"{self.kind}.freq_factors", f"must be a sequence of numbers, got {self.freq_factors!r}") from None
+        if self.freq_factors and (len(self.freq_factors) != self.head_dim // 2
+                                  or not all(f > 0 and math.isfinite(f) for f in self.freq_factors)):
+            raise IRError(f"{self.kind}.freq_factors",
+                          f"must be empty or head_dim / 2 = {self.head_dim // 2} finite numbers > 0, got {self.freq_factors!r}")
+
+    def params(self) -> list[TensorSpec]:
+        Hq, Hkv, D, P = self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size
+        ps = [TensorSpec("qkv", self.dtype, ("num_tokens", Hq + 2 * Hkv, D))]
+        if self.qk_norm:
+            ps += [TensorSpec("q_norm", self.dtype, (D,)), TensorSpec("k_norm", self.dtype, (D,))]
+        ps += [TensorSpec("positions", "int64", ("num_tokens",)), TensorSpec("slot_mapping", "int64", ("num_tokens",)),
+               TensorSpec("q_out", self.dtype, ("num_tokens", Hq, D), "out"),
+               TensorSpec("k_cache", self.kv_dtype, ("num_pages", P, Hkv, D), "inout"),
+               TensorSpec("v_cache", self.kv_dtype, ("num_pages", P, Hkv, D), "inout")]
+        if self.quantized:
+            ps += [TensorSpec("k_scale", "fp32", ("num_pages", P, Hkv), "inout"),
+                   TensorSpec("v_scale", "fp32", ("num_pages", P, Hkv), "inout")]
+        return ps + [size("num_tokens"), size("num_pages")]
+
+
 def _check_weight_format(op) -> WeightFormat:
     _check_choice(op, "weight_format", WEIGHT_FORMATS)
     fmt = WEIGHT_FORMATS[op.weight_format]
@@ -693,7 +761,7 @@ class QuantizeRows(OpSpec):
 
 
 OPS: dict[str, type] = {c.kind: c for c in (PagedAttention, ReshapeAndCache, CopyBlocks, SwapBlocks, MergeState,
-                                            RMSNorm, SiluAndMul, Rope, QuantMatmul, Dequantize, QuantizeRows)}
+                                            RMSNorm, SiluAndMul, Rope, QKVRopeCache, QuantMatmul, Dequantize, QuantizeRows)}
 
 
 def op_from_dict(d: dict) -> OpSpec:
@@ -736,8 +804,8 @@ def reference_doc() -> str:
             ReshapeAndCache(8, 128, 16, "bf16", "int8", rope=True), CopyBlocks(8, 128, 16, "int8"),
             SwapBlocks(8, 128, 16, "int8"), MergeState(32, 128, 4, "bf16", return_lse=True),
             RMSNorm(4096, "bf16", 1e-6), RMSNorm(4096, "bf16", 1e-6, residual=True), SiluAndMul(12288, "bf16"),
-            Rope(32, 128, "bf16", 1e6), QuantMatmul(4096, 6144, "q4_k", "bf16"), Dequantize(4096, "q8_0", "bf16"),
-            QuantizeRows(4096, "bf16", "fp8_e4m3")]
+            Rope(32, 128, "bf16", 1e6), QKVRopeCache(32, 8, 128, 16, "bf16", "fp8_e4m3", qk_norm=True, rope_theta=1e6),
+            QuantMatmul(4096, 6144, "q4_k", "bf16"), Dequantize(4096, "q8_0", "bf16"), QuantizeRows(4096, "bf16", "fp8_e4m3")]
     parts = ["# Ops (generated by `uacompile ops --markdown`; do not edit)", ""]
     for cls in OPS.values():
         doc = "\n".join(line.strip() for line in (cls.__doc__ or "").strip().splitlines())
@@ -768,7 +836,7 @@ def describe(op: OpSpec | Kernel) -> str:
 __all__ = [
     "DType", "DTYPES", "FLOAT_DTYPES", "KV_DTYPES", "QUANT_DTYPES", "QMAX", "TensorSpec", "OpSpec", "Kernel",
     "as_kernel", "check_splits",
-    "PagedAttention", "ReshapeAndCache", "CopyBlocks", "SwapBlocks", "MergeState", "RMSNorm", "SiluAndMul", "Rope",
+    "PagedAttention", "ReshapeAndCache", "CopyBlocks", "SwapBlocks", "MergeState", "RMSNorm", "SiluAndMul", "Rope", "QKVRopeCache",
     "QuantMatmul", "Dequantize", "QuantizeRows", "WeightFormat", "WEIGHT_FORMATS",
     "OPS", "op_from_dict", "c_signature", "cffi_cdef", "describe", "itemsize", "numpy_dtype", "torch_dtype",
     "from_torch",

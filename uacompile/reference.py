@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ir import (QMAX, WEIGHT_FORMATS, CopyBlocks, Dequantize, MergeState, PagedAttention, QuantizeRows, QuantMatmul,
-                 ReshapeAndCache, RMSNorm, Rope, SiluAndMul, SwapBlocks, numpy_dtype)
+from .ir import (QMAX, WEIGHT_FORMATS, CopyBlocks, Dequantize, MergeState, PagedAttention, QKVRopeCache, QuantizeRows,
+                 QuantMatmul, ReshapeAndCache, RMSNorm, Rope, SiluAndMul, SwapBlocks, numpy_dtype)
 
 
 def f64(x) -> np.ndarray:
@@ -197,6 +197,26 @@ def rope_op(op: Rope, x, positions):
     return x
 
 
+def qkv_rope_cache(op: QKVRopeCache, qkv, positions, slot_mapping, k_cache, v_cache, q_norm=None, k_norm=None,
+                   k_scale=None, v_scale=None):
+    """rms_norm of each q / k head (qk_norm), rope of q and k, reshape_and_cache of the rotated K and V, in place;
+    returns q_out [T, Hq, D] float64 (dtype values: rope's one rounding)."""
+    Hq, Hkv, D, dt = op.num_q_heads, op.num_kv_heads, op.head_dim, numpy_dtype(op.dtype)
+    qkv = np.asarray(qkv)
+    T = qkv.shape[0]
+    q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
+    if op.qk_norm:
+        norm = RMSNorm(D, op.dtype, op.eps)
+        q = rms_norm(norm, q.reshape(T * Hq, D), q_norm).astype(dt).reshape(T, Hq, D)
+        k = rms_norm(norm, k.reshape(T * Hkv, D), k_norm).astype(dt).reshape(T, Hkv, D)
+    pos = np.asarray(positions)
+    q = rope(q, pos, op.rope_theta, op.rope_interleaved, op.freq_factors).astype(dt)
+    k = rope(k, pos, op.rope_theta, op.rope_interleaved, op.freq_factors).astype(dt)
+    write = ReshapeAndCache(Hkv, D, op.page_size, op.dtype, op.kv_dtype)
+    reshape_and_cache(write, k, np.ascontiguousarray(v), slot_mapping, k_cache, v_cache, k_scale, v_scale)
+    return f64(q)
+
+
 # ---------------------------------------------------------------- GGUF weight blocks
 def _f16(b: np.ndarray) -> np.ndarray:
     """Little-endian fp16 fields (the last axis: 2 bytes) as float32."""
@@ -328,6 +348,6 @@ def run(op, **arrays):
         op = op.op
     fn = {"paged_attention": paged_attention, "merge_state": merge_state, "reshape_and_cache": reshape_and_cache,
           "copy_blocks": copy_blocks, "swap_blocks": swap_blocks, "rms_norm": rms_norm, "silu_and_mul": silu_and_mul,
-          "rope": rope_op, "quant_matmul": quant_matmul, "dequantize": dequantize_op,
+          "rope": rope_op, "qkv_rope_cache": qkv_rope_cache, "quant_matmul": quant_matmul, "dequantize": dequantize_op,
           "quantize_rows": quantize_rows}[op.kind]
     return fn(op, **arrays, **extra)

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from . import reference
-from .ir import (QUANT_DTYPES, WEIGHT_FORMATS, CopyBlocks, Dequantize, QuantMatmul, MergeState, PagedAttention, ReshapeAndCache, RMSNorm, Rope, SiluAndMul,
+from .ir import (QUANT_DTYPES, WEIGHT_FORMATS, CopyBlocks, Dequantize, QuantMatmul, MergeState, PagedAttention, QKVRopeCache, ReshapeAndCache, RMSNorm, Rope, SiluAndMul,
                  SwapBlocks, numpy_dtype)
 
 
@@ -160,6 +160,31 @@ def rope_inputs(op: Rope, rng, num_tokens: int, max_position: int = 1 << 17) -> 
     positions[0] = 0
     return dict(x=random_floats(rng, (num_tokens, op.num_heads, op.head_dim), op.dtype), positions=positions,
                 num_tokens=num_tokens)
+
+
+def qkv_rope_cache_inputs(op: QKVRopeCache, rng, num_tokens: int, num_pages: int | None = None,
+                          max_position: int = 1 << 17) -> dict:
+    """Heads of varied scale (0.01 to 100 a head: the norm must not depend on it), norm weights around 1, long
+    positions, a full cache (random data, never zeros) and a shuffled slot_mapping with a padding slot (-1)."""
+    Hq, Hkv, D, P = op.num_q_heads, op.num_kv_heads, op.head_dim, op.page_size
+    num_pages = num_pages or -(-num_tokens // P) + 2
+    head_scale = np.exp(rng.uniform(np.log(0.01), np.log(100.0), size=(num_tokens, Hq + 2 * Hkv, 1)))
+    qkv = (random_floats(rng, (num_tokens, Hq + 2 * Hkv, D), "fp32") * head_scale).astype(np.float32)
+    positions = rng.integers(0, max_position, size=num_tokens).astype(np.int64)
+    positions[0] = 0
+    slots = rng.choice(num_pages * P, size=num_tokens, replace=False).astype(np.int64)
+    if num_tokens > 1:
+        slots[rng.integers(num_tokens)] = -1
+    k_cache, k_scale = random_cache(rng, (num_pages, P, Hkv, D), op.kv_dtype)
+    v_cache, v_scale = random_cache(rng, (num_pages, P, Hkv, D), op.kv_dtype)
+    d = dict(qkv=qkv.astype(numpy_dtype(op.dtype)), positions=positions, slot_mapping=slots, k_cache=k_cache,
+             v_cache=v_cache, num_tokens=num_tokens, num_pages=num_pages)
+    if op.qk_norm:
+        d["q_norm"] = (random_floats(rng, D, "fp32", 0.3) + 1).astype(numpy_dtype(op.dtype))
+        d["k_norm"] = (random_floats(rng, D, "fp32", 0.3) + 1).astype(numpy_dtype(op.dtype))
+    if op.quantized:
+        d.update(k_scale=k_scale, v_scale=v_scale)
+    return d
 
 
 def random_quant_weight(rng, weight_format: str, rows: int, cols: int, scale: float = 0.02) -> np.ndarray:

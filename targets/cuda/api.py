@@ -6,6 +6,7 @@
     api.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)       # op inferred from tensors
     api.copy_blocks(kv, mapping); api.swap_blocks(src, dst, mapping); out = api.merge_state(o, lse)
     out = api.rms_norm(x, w, eps, residual=r); out = api.silu_and_mul(gate_up); api.rope(q, positions, theta)
+    q = api.qkv_rope_cache(qkv, positions, slots, k_cache, v_cache, num_q_heads, theta, q_norm=qn, k_norm=kn)
     out = api.quant_matmul(x, weight, "q4_k"); w = api.dequantize(weight, "q4_k", in_features, torch.bfloat16)
 
 Every call checks names, dtypes, shapes (symbolic dims bound consistently), contiguity,
@@ -287,6 +288,32 @@ def rope(x, positions, rope_theta: float, interleaved: bool = False):
                  interleaved=bool(interleaved))
     kernel(op)(x=x, positions=positions)
     return x
+
+
+def qkv_rope_cache(qkv, positions, slot_mapping, k_cache, v_cache, num_q_heads: int, rope_theta: float,
+                   q_out=None, q_norm=None, k_norm=None, eps: float = 1e-6, k_scale=None, v_scale=None,
+                   rope_interleaved: bool = False, freq_factors: tuple = ()):
+    """From the packed projection qkv [T, Hq + 2 Hkv, D]: per-head RMSNorm of q and k (with q_norm, k_norm [D]),
+    RoPE of both at positions [T] int64, K and V written into the caches at slot_mapping (ir.QKVRopeCache; 8-bit
+    caches with their scales); returns q_out [T, Hq, D] (allocated when None: not graph-safe)."""
+    _need_dims("qkv", qkv, 3, "[num_tokens, num_q_heads + 2 * num_kv_heads, head_dim]")
+    _need_dims("k_cache", k_cache, 4, "[num_pages, page_size, num_kv_heads, head_dim]")
+    T, heads, D = qkv.shape
+    if (heads - num_q_heads) % 2 or heads <= num_q_heads:
+        raise ValueError(f"qkv: {heads} heads do not hold {num_q_heads} q heads and equal k and v heads")
+    if (q_norm is None) != (k_norm is None):
+        raise TypeError("qkv_rope_cache: q_norm and k_norm go together")
+    op = ir.QKVRopeCache(num_q_heads=num_q_heads, num_kv_heads=(heads - num_q_heads) // 2, head_dim=D,
+                         page_size=k_cache.shape[1], dtype=_kv_dtype("qkv", qkv), kv_dtype=_kv_dtype("k_cache", k_cache),
+                         qk_norm=q_norm is not None, eps=float(eps), rope_theta=float(rope_theta),
+                         rope_interleaved=bool(rope_interleaved), freq_factors=tuple(freq_factors))
+    extra = _scales(op.kind, op.quantized, k_scale=k_scale, v_scale=v_scale)
+    if q_norm is not None:
+        extra.update(q_norm=q_norm, k_norm=k_norm)
+    q_out = torch.empty((T, num_q_heads, D), dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
+    kernel(op)(qkv=qkv, positions=positions, slot_mapping=slot_mapping, q_out=q_out, k_cache=k_cache, v_cache=v_cache,
+               **extra)
+    return q_out
 
 
 def _weight_format(weight, weight_format: str, in_features: int) -> ir.WeightFormat:

@@ -179,19 +179,20 @@ def _inv_freq(theta: float, head_dim: int, freq_factors=()) -> list[str]:
 
 
 def _rms_norm(op: ir.RMSNorm, arch: str):
+    """A row a block, in registers: two vectors a thread (E = 4096 bf16: 256 threads), up to 1024 threads."""
     vec = vector_width(op.hidden_size, ir.itemsize(op.dtype))
     chunks = op.hidden_size // vec
-    # a row in registers, at most 4 vectors a thread until the block is full
-    threads = min(1024, max(32, _round_up(-(-chunks // 4), 32)))
+    threads = min(1024, max(32, _round_up(-(-chunks // 2), 32)))
     return "cuda/rms_norm.cu.j2", dict(E=op.hidden_size, vec=vec, threads=threads, residual=op.residual,
-                                       eps_c=_c_float(op.eps), c_type=ir.DTYPES[op.dtype].c)
+                                       eps_c=_c_float(op.eps), c_type=ir.DTYPES[op.dtype].c, pdl=pdl(arch))
 
 
 def _silu_and_mul(op: ir.SiluAndMul, arch: str):
+    """128-thread blocks of two vectors a thread over a row's columns (I = 12288 bf16: 6 blocks a token)."""
     vec = vector_width(op.intermediate_size, ir.itemsize(op.dtype))
     chunks = op.intermediate_size // vec
-    return "cuda/silu_and_mul.cu.j2", dict(I=op.intermediate_size, vec=vec, threads=min(512, _round_up(chunks, 32)),
-                                           c_type=ir.DTYPES[op.dtype].c)
+    return "cuda/silu_and_mul.cu.j2", dict(I=op.intermediate_size, vec=vec, threads=min(128, _round_up(chunks, 32)),
+                                           per_thread=2, c_type=ir.DTYPES[op.dtype].c, pdl=pdl(arch))
 
 
 def _rope(op: ir.Rope, arch: str):
@@ -208,6 +209,28 @@ def _rope(op: ir.Rope, arch: str):
                                    c_type=ir.DTYPES[op.dtype].c,
                                    heads_per_pass=max(1, min(op.num_heads, 256 // chunks)),
                                    inv_freq=_inv_freq(op.rope_theta, op.head_dim, op.freq_factors))
+
+
+def _qkv_rope_cache(op: ir.QKVRopeCache, arch: str):
+    """A head row is one lane group, one 16-byte vector a lane (a rotate-half vector inside its half of the row);
+    blocks of 128 threads (whole warps) hold a token's rows, so a one-token step still spreads over several SMs."""
+    size = ir.itemsize(op.dtype)
+    if op.rope_interleaved:  # pairs (2i, 2i+1) inside one vector
+        vec = max(2, vector_width(op.head_dim, size))
+    else:
+        vec = vector_width(op.head_dim // 2, size)
+    chunks = op.head_dim // vec
+    if chunks > 32:
+        raise ir.IRError("qkv_rope_cache.head_dim", f"the CUDA template holds a head in one lane group (<= 32 vectors of "
+                                                    f"{vec * size} bytes), got {op.head_dim}")
+    group = lane_group(chunks)
+    heads = op.num_q_heads + 2 * op.num_kv_heads
+    rows = min(128 // group, _round_up(heads, 32 // group))
+    return "cuda/qkv_rope_cache.cu.j2", dict(
+        Hq=op.num_q_heads, Hkv=op.num_kv_heads, D=op.head_dim, P=op.page_size, in_ctype=ir.DTYPES[op.dtype].c,
+        cache_ctype=ir.DTYPES[op.kv_dtype].c, vec=vec, group=group, rows=rows, qk_norm=op.qk_norm,
+        interleaved=op.rope_interleaved, quantized=op.quantized, pdl=pdl(arch), eps_c=_c_float(op.eps),
+        inv_freq=_inv_freq(op.rope_theta, op.head_dim, op.freq_factors))
 
 
 FMT_ENUMS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
@@ -338,6 +361,7 @@ CONTEXT_BUILDERS = {
     "rms_norm": _rms_norm,
     "silu_and_mul": _silu_and_mul,
     "rope": _rope,
+    "qkv_rope_cache": _qkv_rope_cache,
     "quant_matmul": _quant_matmul,
     "dequantize": _dequantize,
     "quantize_rows": _quantize_rows,

@@ -95,7 +95,7 @@ def test_op_from_dict_rejects_unknown():
     with pytest.raises(IRError, match="paged_attention.heads"):
         op_from_dict({"op": "paged_attention", "heads": 3})
     assert set(OPS) == {"paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks", "merge_state", "rms_norm",
-                        "silu_and_mul", "rope", "quant_matmul", "dequantize", "quantize_rows"}
+                        "silu_and_mul", "rope", "qkv_rope_cache", "quant_matmul", "dequantize", "quantize_rows"}
 
 
 def test_params_follow_options():

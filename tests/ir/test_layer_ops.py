@@ -151,3 +151,77 @@ def test_program_runs_a_layer_chain(rng):
     env = program.run_reference(prog, dict(x=inp["x"], res=inp["residual"].copy(), w=inp["weight"]))
     h = R.rms_norm(norm, inp["x"], inp["weight"], inp["residual"].copy())
     np.testing.assert_allclose(env["y"], R.silu_and_mul(act, h), rtol=1e-12)
+
+
+# ---------------------------------------------------------------- qkv_rope_cache
+Q = ir.QKVRopeCache
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(num_q_heads=6, num_kv_heads=4, head_dim=8), "qkv_rope_cache.num_q_heads"),
+    (dict(num_q_heads=4, num_kv_heads=2, head_dim=7), "qkv_rope_cache.head_dim"),
+    (dict(num_q_heads=4, num_kv_heads=2, head_dim=8, dtype="fp16", kv_dtype="bf16"), "qkv_rope_cache.kv_dtype"),
+    (dict(num_q_heads=4, num_kv_heads=2, head_dim=8, qk_norm=1), "qkv_rope_cache.qk_norm"),
+    (dict(num_q_heads=4, num_kv_heads=2, head_dim=8, eps=-1.0), "qkv_rope_cache.eps"),
+    (dict(num_q_heads=4, num_kv_heads=2, head_dim=8, rope_theta=0.0), "qkv_rope_cache.rope_theta"),
+    (dict(num_q_heads=4, num_kv_heads=2, head_dim=8, freq_factors=(1.0,)), "qkv_rope_cache.freq_factors"),
+    (dict(num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=3), "qkv_rope_cache.page_size"),
+])
+def test_qkv_rope_cache_rejects_bad_fields(kwargs, field):
+    with pytest.raises(IRError, match=field):
+        Q(**kwargs)
+
+
+def test_qkv_rope_cache_params():
+    names = [(p.name, p.role) for p in Q(4, 2, 8, 16, "bf16", "int8", qk_norm=True).params()]
+    assert names == [("qkv", "in"), ("q_norm", "in"), ("k_norm", "in"), ("positions", "in"), ("slot_mapping", "in"),
+                     ("q_out", "out"), ("k_cache", "inout"), ("v_cache", "inout"), ("k_scale", "inout"),
+                     ("v_scale", "inout"), ("num_tokens", "in"), ("num_pages", "in")]
+    plain = Q(4, 2, 8).params()
+    assert plain[0].shape == ("num_tokens", 8, 8) and "q_norm" not in [p.name for p in plain]
+    op = Q(4, 2, 8, 16, "bf16", "fp8_e4m3", True, 1e-5, 1e6, True, (1, 2, 3, 4))
+    assert ir.op_from_dict(op.to_dict()) == op and op.symbol().startswith("ua_qkv_rope_cache_")
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qkv_rope_cache_is_the_unfused_ops(kv_dtype, qk_norm, rng):
+    """The op equals its parts run one by one (rms_norm of each head, rope of q and of k, reshape_and_cache of the
+    rotated K and V), bit for bit: caches, scales and q_out."""
+    op = Q(4, 2, 16, 4, "bf16", kv_dtype, qk_norm, 1e-6, 1e6)
+    inp = testing.qkv_rope_cache_inputs(op, rng, 9)
+    arrays = {k: v for k, v in inp.items() if isinstance(v, np.ndarray)}
+    mine = {k: v.copy() for k, v in arrays.items()}
+    q_out = R.run(op, **mine)
+    T, (Hq, Hkv, D) = 9, (4, 2, 16)
+    q, k, v = inp["qkv"][:, :Hq], inp["qkv"][:, Hq:Hq + Hkv], inp["qkv"][:, Hq + Hkv:]
+    if qk_norm:
+        norm = RMSNorm(D, "bf16", 1e-6)
+        q = R.rms_norm(norm, q.reshape(-1, D), inp["q_norm"]).astype(q.dtype).reshape(T, Hq, D)
+        k = R.rms_norm(norm, k.reshape(-1, D), inp["k_norm"]).astype(k.dtype).reshape(T, Hkv, D)
+    q, k = q.copy(), k.copy()
+    R.rope_op(Rope(Hq, D, "bf16", 1e6), q, inp["positions"])
+    theirs = {k_: v_.copy() for k_, v_ in arrays.items() if k_ in ("k_cache", "v_cache", "k_scale", "v_scale")}
+    rc = ir.ReshapeAndCache(Hkv, D, 4, "bf16", kv_dtype, rope=True, rope_theta=1e6)
+    R.run(rc, k=k, v=np.ascontiguousarray(v), slot_mapping=inp["slot_mapping"], positions=inp["positions"], **theirs)
+    np.testing.assert_array_equal(q_out, q.astype(np.float64))
+    for name, want in theirs.items():
+        np.testing.assert_array_equal(mine[name].view(np.uint8), want.view(np.uint8), err_msg=name)
+    skipped = inp["slot_mapping"] < 0
+    assert skipped.any() and np.isfinite(q_out[skipped]).all()  # q_out of a padding token is still written
+
+
+def test_qkv_rope_cache_norm_matches_torch(rng):
+    """Qwen3's attention prologue in torch (transformers: q_norm / k_norm RMSNorm, then rotate-half RoPE with
+    float64 tables) lands within a rounding of the op's q_out."""
+    op = Q(4, 2, 32, 4, "fp32", "fp32", True, 1e-6, 1e6)
+    inp = testing.qkv_rope_cache_inputs(op, rng, 5)
+    q_out = R.run(op, **{k: v.copy() for k, v in inp.items() if isinstance(v, np.ndarray)})
+    q = torch.from_numpy(inp["qkv"][:, :4].astype(np.float64))
+    w = torch.from_numpy(inp["q_norm"].astype(np.float64))
+    q = w * q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6)
+    inv = 1.0 / 1e6 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32)
+    ang = torch.from_numpy(inp["positions"]).double()[:, None, None] * inv
+    a, b = q[..., :16], q[..., 16:]
+    want = torch.cat([a * ang.cos() - b * ang.sin(), b * ang.cos() + a * ang.sin()], -1).numpy()
+    np.testing.assert_allclose(q_out, want, rtol=1e-5, atol=1e-5)

@@ -79,8 +79,45 @@ __global__ void layer_ops_kernel(float* out, const half* in) {
   __shared__ float sums[32];
   half a, b;
   ua::rope_pair<half>(in[0], in[1], 0.5, 0.25, a, b);
-  out[threadIdx.x] = ua::block_sum<128>(ua::silu(__half2float(a) + __half2float(b)), sums);
+  ua::pdl_wait<true>();
+  ua::pdl_launch_dependents<true>();
+  const ua::Vec<half, 2> v = ua::shfl_vec<16>(ua::Vec<half, 2>{{a, b}}, 3);
+  const ua::Vec<half, 1> w = ua::shfl_vec<8>(ua::Vec<half, 1>{{b}}, 1);  // element by element
+  out[threadIdx.x] = ua::block_sum<128>(ua::silu(__half2float(v.v[0]) + __half2float(b)), sums) + __half2float(w.v[0]);
 }
+int launch_layer_ops(float* out, const half* in, cudaStream_t s) {
+  return ua::launch_pdl(true, layer_ops_kernel, dim3(1), dim3(128), s, out, in);
+}
+""",
+    "qkv_rope_cache.cuh": """
+__device__ const double QRC_FREQ[64] = {};
+#define QRC_CONFIG(NAME, IN, CACHE, HQ_, HKV_, D_, VEC_, GROUP_, ROWS_, NORM_, INTER_, QUANT_)        \
+  struct NAME {                                                                                     \
+    typedef IN in_t;                                                                                \
+    typedef CACHE cache_t;                                                                          \
+    static constexpr int HQ = HQ_, HKV = HKV_, D = D_, VEC = VEC_, GROUP = GROUP_, ROWS = ROWS_;    \
+    static constexpr bool QK_NORM = NORM_, INTERLEAVED = INTER_, QUANT = QUANT_, PDL = true;        \
+    static constexpr float EPS = 1e-6f;                                                             \
+    static __device__ __forceinline__ const double* inv_freq() { return QRC_FREQ; }                 \
+  };
+QRC_CONFIG(QrcBf16, ua::bf16, ua::bf16, 32, 8, 128, 8, 16, 8, true, false, false)
+QRC_CONFIG(QrcFp8, ua::bf16, uint8_t, 32, 8, 128, 8, 16, 8, true, false, true)
+QRC_CONFIG(QrcInt8Gptj, half, int8_t, 4, 2, 64, 8, 8, 16, false, true, true)
+QRC_CONFIG(QrcFp32, float, float, 6, 3, 6, 1, 8, 4, true, false, false)
+template <class C>
+__global__ void qrc_kernel(const typename C::in_t* qkv, const typename C::in_t* qn, const typename C::in_t* kn,
+                           const int64_t* pos, const int64_t* slots, typename C::in_t* q, typename C::cache_t* kc,
+                           typename C::cache_t* vc, float* ks, float* vs) {
+  ua::qrc::QKVRopeCache<C>::kernel(qkv, qn, kn, pos, slots, q, kc, vc, ks, vs);
+}
+template __global__ void qrc_kernel<QrcBf16>(const ua::bf16*, const ua::bf16*, const ua::bf16*, const int64_t*,
+                                             const int64_t*, ua::bf16*, ua::bf16*, ua::bf16*, float*, float*);
+template __global__ void qrc_kernel<QrcFp8>(const ua::bf16*, const ua::bf16*, const ua::bf16*, const int64_t*,
+                                            const int64_t*, ua::bf16*, uint8_t*, uint8_t*, float*, float*);
+template __global__ void qrc_kernel<QrcInt8Gptj>(const half*, const half*, const half*, const int64_t*, const int64_t*,
+                                                 half*, int8_t*, int8_t*, float*, float*);
+template __global__ void qrc_kernel<QrcFp32>(const float*, const float*, const float*, const int64_t*, const int64_t*,
+                                             float*, float*, float*, float*, float*);
 """,
     "ptx.cuh": """
 __global__ void ptx_kernel(float* out, const uint4* in) {

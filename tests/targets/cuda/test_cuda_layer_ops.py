@@ -1,4 +1,4 @@
-"""CPU: the layer-op templates (rms_norm, silu_and_mul, rope) render with the IR launcher and compile with
+"""CPU: the layer-op templates (rms_norm, silu_and_mul, rope, qkv_rope_cache) render with the IR launcher and compile with
 nvcc for sm_80 and sm_90, with no register spills; the friendly calls reject bad tensors before any device
 work."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from cuda_helpers import spill_stores
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
-N, A, P = ir.RMSNorm, ir.SiluAndMul, ir.Rope
+N, A, P, Q = ir.RMSNorm, ir.SiluAndMul, ir.Rope, ir.QKVRopeCache
 # model shapes (Llama / Qwen3-8B bf16, stories260K fp32) and edge cases: one vector a row, odd sizes
 # (1-element vectors), a row wider than 4 vectors a thread at 1024 threads
 LAYER_OP_VARIANTS = [
@@ -24,6 +24,12 @@ LAYER_OP_VARIANTS = [
     P(32, 128, "bf16", 1e6), P(8, 128, "bf16", 1e6), P(4, 16, "fp16"), P(2, 64, "fp16", interleaved=True),
     P(6, 8, "fp32", interleaved=True), P(6, 8, "fp32"), P(3, 6, "bf16", 5e5), P(8, 256, "fp32", 1e4, True),
     P(8, 16, "bf16", 5e5, freq_factors=(1, 1, 1.5, 2.5, 8, 8, 8, 8)),  # llama3-style scaled frequencies
+    # Qwen3-8B's prologue on each cache dtype; Llama's (no norm); odd shapes (a row short of its lane group,
+    # 1-element vectors, a block holding q, k and v rows)
+    Q(32, 8, 128, 16, "bf16", "bf16", True, 1e-6, 1e6), Q(32, 8, 128, 16, "bf16", "fp8_e4m3", True, 1e-6, 1e6),
+    Q(32, 8, 128, 16, "fp16", "int8", True, 1e-6, 1e6), Q(32, 8, 128, 16, "bf16", "bf16"),
+    Q(4, 2, 64, 8, "fp16", "fp16", rope_interleaved=True), Q(6, 3, 6, 4, "fp32", "fp32", True),
+    Q(2, 1, 96, 16, "bf16", "int8", True, freq_factors=tuple(range(1, 49))),
 ]
 
 
@@ -83,3 +89,18 @@ def test_friendly_calls_reject_bad_tensors():
         api.rope(torch.zeros(4, 2, 8, dtype=torch.int32), torch.zeros(4, dtype=torch.int64), 1e4)
     with pytest.raises(ir.IRError, match="rope.head_dim"):
         api.rope(torch.zeros(4, 2, 7), torch.zeros(4, dtype=torch.int64), 1e4)
+
+
+def test_qkv_rope_cache_refuses_a_head_past_one_lane_group():
+    from uacompile.targets.cuda.render import render_op
+
+    with pytest.raises(ir.IRError, match="qkv_rope_cache.head_dim"):
+        render_op(Q(2, 1, 512, 16, "fp32", "fp32"))
+
+
+def test_layer_ops_launch_with_pdl_on_hopper_only():
+    from uacompile.targets.cuda.render import render_op
+
+    for op in (N(4096, "bf16", 1e-6, True), A(12288, "bf16"), Q(32, 8, 128, 16, "bf16", "bf16", True)):
+        assert "PDL = true" in render_op(op, "sm_90") or "launch_pdl(true" in render_op(op, "sm_90"), op
+        assert "PDL = true" not in render_op(op, "sm_80") and "launch_pdl(true" not in render_op(op, "sm_80"), op

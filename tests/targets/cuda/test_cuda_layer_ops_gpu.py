@@ -1,4 +1,4 @@
-"""GPU: the layer-op kernels (rms_norm with and without the residual add, silu_and_mul, rope) against the
+"""GPU: the layer-op kernels (rms_norm with and without the residual add, silu_and_mul, rope, qkv_rope_cache) against the
 float64 reference on fresh random inputs, outputs poisoned first; rope against reshape_and_cache's fused
 RoPE; the friendly calls; CUDA-graph replay. Run on the device:
 `pytest -m gpu tests/targets/cuda/test_cuda_layer_ops_gpu.py`."""
@@ -20,6 +20,11 @@ ACTS = [A(12288, "bf16"), A(96, "fp16"), A(172, "fp32"), A(5, "bf16"), A(14336, 
 ROPES = [P(32, 128, "bf16", 1e6), P(8, 128, "bf16", 1e6), P(4, 16, "fp16"), P(2, 64, "fp16", interleaved=True),
          P(6, 8, "fp32", interleaved=True), P(6, 8, "fp32"), P(3, 6, "bf16", 5e5), P(8, 256, "fp32", 1e4, True),
          P(8, 16, "bf16", 5e5, freq_factors=(1, 1, 1.5, 2.5, 8, 8, 8, 8))]
+Q = ir.QKVRopeCache
+PROLOGUES = [Q(32, 8, 128, 16, "bf16", "bf16", True, 1e-6, 1e6), Q(32, 8, 128, 16, "bf16", "fp8_e4m3", True, 1e-6, 1e6),
+             Q(32, 8, 128, 16, "fp16", "int8", True, 1e-6, 1e6), Q(32, 8, 128, 16, "bf16", "bf16"),
+             Q(4, 2, 64, 8, "fp16", "fp16", rope_interleaved=True), Q(6, 3, 6, 4, "fp32", "fp32", True),
+             Q(2, 1, 96, 16, "bf16", "int8", True, freq_factors=tuple(range(1, 49)))]
 TOKENS = [1, 7, 300]
 
 
@@ -27,7 +32,7 @@ TOKENS = [1, 7, 300]
 def _built():
     from uacompile.targets.cuda import api
 
-    api.preload([*NORMS, *ACTS, *ROPES])
+    api.preload([*NORMS, *ACTS, *ROPES, *PROLOGUES])
 
 
 def to_torch(a: np.ndarray) -> torch.Tensor:
@@ -173,3 +178,66 @@ def test_layer_ops_replay_in_a_cuda_graph(rng):
     want_q = rp["x"].copy()
     reference.rope_op(rot, want_q, rp["positions"])
     assert ulps_apart(to_numpy(q), want_q.astype(np.float64), "bf16").max() <= 1
+
+
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("op", PROLOGUES, ids=lambda o: f"{o.dtype}-{o.kv_dtype}-Hq{o.num_q_heads}-D{o.head_dim}"
+                         f"{'-norm' if o.qk_norm else ''}{'-gptj' if o.rope_interleaved else ''}")
+def test_qkv_rope_cache_matches_reference(op, num_tokens, rng):
+    """q_out poisoned first; the caches full of random data, so a skipped slot (-1) or another page's rows
+    would show. The float32 norm may round a head element the other way (1 ulp) before RoPE, as the rope kernel's
+    sincos may: a few elements in 10^3 may be a rounding off, none unwritten."""
+    from uacompile.targets.cuda import api
+
+    inp = testing.qkv_rope_cache_inputs(op, rng, num_tokens)
+    want = {k: v.copy() for k, v in arrays(inp).items()}
+    want_q = reference.qkv_rope_cache(op, **want)
+    dev = {k: to_torch(v) for k, v in arrays(inp).items()}
+    q_out = poisoned((num_tokens, op.num_q_heads, op.head_dim), dev["qkv"].dtype)
+    api.kernel(op)(**dev, q_out=q_out)
+    got_q = to_numpy(q_out)
+    assert np.isfinite(got_q).all(), "unwritten (NaN) q_out"
+    # within 2 ulps of the head's largest element everywhere (RoPE mixes a pair: an input rounding moves both)
+    head_max = np.abs(want_q).max(-1, keepdims=True).astype(numpy_dtype(op.dtype))
+    assert (np.abs(got_q - want_q) <= 2 * np.spacing(head_max).astype(np.float64)).all()
+    exact = op.dtype != "fp32" or not op.qk_norm  # a float32 norm against float64 rounds half the fp32 values apart
+    if exact:
+        off = ulps_apart(got_q, want_q, op.dtype)
+        assert (off > 0).mean() <= 2e-3, f"{(off > 0).sum()} of {off.size} q elements differ"
+    for name in ("k_cache", "v_cache"):
+        got = dev[name].cpu()
+        got = got.view(torch.uint8).numpy() if op.quantized else to_numpy(got)
+        ref = want[name].view(np.uint8) if op.quantized else want[name].astype(np.float64)
+        if not exact and name == "k_cache":
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+            continue
+        diff = got != ref
+        assert diff.mean() <= 2e-3, f"{name}: {diff.sum()} of {diff.size} differ"
+        if name == "v_cache" or not op.qk_norm:  # V is only copied or quantised; K without the norm only rotated
+            assert diff.mean() <= 1e-4, f"{name}: {diff.sum()} of {diff.size} differ"
+    if op.quantized:
+        np.testing.assert_allclose(dev["k_scale"].cpu().numpy(), want["k_scale"], rtol=1e-2)
+        np.testing.assert_array_equal(dev["v_scale"].cpu().numpy(), want["v_scale"])
+
+
+def test_qkv_rope_cache_replays_in_a_cuda_graph(rng):
+    """Captured once (a decode step's prologue), replayed on new qkv, positions and slots in the same buffers."""
+    from uacompile.targets.cuda import api
+
+    op = PROLOGUES[0]
+    inp = testing.qkv_rope_cache_inputs(op, rng, 8)
+    dev = {k: to_torch(v) for k, v in arrays(inp).items()}
+    q_out = poisoned((8, op.num_q_heads, op.head_dim), dev["qkv"].dtype)
+    graph = api.capture_graph([lambda: api.qkv_rope_cache(
+        dev["qkv"], dev["positions"], dev["slot_mapping"], dev["k_cache"], dev["v_cache"], op.num_q_heads,
+        op.rope_theta, q_out=q_out, q_norm=dev["q_norm"], k_norm=dev["k_norm"], eps=op.eps)])
+    fresh = testing.qkv_rope_cache_inputs(op, rng, 8)
+    for name in ("qkv", "positions", "slot_mapping", "k_cache", "v_cache", "q_norm", "k_norm"):
+        dev[name].copy_(to_torch(fresh[name]))
+    q_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = {k: v.copy() for k, v in arrays(fresh).items()}
+    want_q = reference.qkv_rope_cache(op, **want)
+    assert (ulps_apart(to_numpy(q_out), want_q, op.dtype) > 0).mean() <= 2e-3
+    assert (to_numpy(dev["v_cache"]) == want["v_cache"].astype(np.float64)).all()

@@ -1,5 +1,6 @@
-// uacompile CUDA layer-op header: block reductions, SiLU and RoPE's pair rotation, shared by the
-// rms_norm, silu_and_mul and rope templates (after uacompile/common.cuh). Include-guarded.
+// uacompile CUDA layer-op header: block reductions, SiLU and RoPE's pair rotation, programmatic dependent launch,
+// shared by the rms_norm, silu_and_mul, rope and qkv_rope_cache templates (after uacompile/common.cuh).
+// Include-guarded.
 #ifndef UA_LAYER_OPS_CUH
 #define UA_LAYER_OPS_CUH
 
@@ -37,6 +38,58 @@ __device__ __forceinline__ void rope_pair(T a, T b, double cs, double sn, T& out
   const double da = (double)to_float(a), db = (double)to_float(b);
   out_a = round_double<T>(__dsub_rn(__dmul_rn(da, cs), __dmul_rn(db, sn)));
   out_b = round_double<T>(__dadd_rn(__dmul_rn(db, cs), __dmul_rn(da, sn)));
+}
+
+// Programmatic dependent launch (PDL, sm_90+): a kernel launched with launch_pdl may start while the previous
+// kernel on the stream drains. It may read what no earlier kernel writes (weights) before pdl_wait(), which waits
+// for the previous grid's completion and its memory; every kernel calls pdl_wait() unconditionally, so a chain of
+// them is ordered. pdl_launch_dependents() lets the next kernel start its own prologue now.
+template <bool PDL>
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (PDL) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+template <bool PDL>
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (PDL) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Launch kernel on stream, with the PDL attribute when pdl; returns the CUDA error code (0: launched).
+template <typename... Params, typename... Args>
+inline int launch_pdl(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+  return err != cudaSuccess ? (int)err : (int)cudaGetLastError();
+}
+
+// A vector from lane src of a width-WIDTH lane group (every lane of the warp takes part): 4-byte words where the
+// vector is made of them, else element by element through float (exact for every float dtype).
+template <int WIDTH, typename T, int N>
+__device__ __forceinline__ Vec<T, N> shfl_vec(const Vec<T, N>& x, int src) {
+  Vec<T, N> y;
+  if constexpr (sizeof(Vec<T, N>) % 4 == 0) {
+    constexpr int WORDS = sizeof(Vec<T, N>) / 4;
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(&x);
+    uint32_t* o = reinterpret_cast<uint32_t*>(&y);
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) o[i] = __shfl_sync(0xffffffffu, w[i], src, WIDTH);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) y.v[j] = from_float<T>(__shfl_sync(0xffffffffu, to_float(x.v[j]), src, WIDTH));
+  }
+  return y;
 }
 
 }  // namespace ua
