@@ -299,17 +299,19 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def layer_ops(self, dtype: torch.dtype) -> list:
-        """The IR layer ops this model launches at dtype (a kernel backend builds them up front)."""
+    def layer_ops(self, dtype: torch.dtype, fused_prologue: bool = False) -> list:
+        """The IR layer ops this model launches at dtype (a kernel backend builds them up front); with fused_prologue
+        (prologue_op runs the q/k norms and RoPE) neither the head norm nor Rope."""
         from uacompile import ir
 
         cfg, dt = self.cfg, ir.from_torch(dtype)
         ops = [ir.RMSNorm(cfg.hidden_size, dt, cfg.rms_norm_eps), ir.RMSNorm(cfg.hidden_size, dt, cfg.rms_norm_eps, True),
                ir.SiluAndMul(cfg.intermediate_size, dt)]
-        if cfg.qk_norm:
+        if cfg.qk_norm and not fused_prologue:
             ops.append(ir.RMSNorm(cfg.head_dim, dt, cfg.rms_norm_eps))
-        ops += [ir.Rope(n, cfg.head_dim, dt, cfg.rope_theta, freq_factors=self.rope_freq_factors)
-                for n in sorted({cfg.num_heads, cfg.num_kv_heads})]
+        if not fused_prologue:
+            ops += [ir.Rope(n, cfg.head_dim, dt, cfg.rope_theta, freq_factors=self.rope_freq_factors)
+                    for n in sorted({cfg.num_heads, cfg.num_kv_heads})]
         quant = {}  # the packed layers' decode matmuls, their row decoders (prefill, embedding lookups), fp8 inputs
         for module in self.modules():
             if isinstance(module, QuantLinear):
@@ -336,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
     def use_kernels(self, backend: TorchLayerOps) -> None:
         """Run the layer ops through a kernel backend (kernels.KernelBackend), its kernels built now; a backend that
         fuses the attention prologue (fuses_prologue) runs prologue_op in place of the norms, RoPE and cache write."""
-        ops = self.layer_ops(self.dtype)
+        ops = self.layer_ops(self.dtype, backend.fuses_prologue)
         self.prologue = self.prologue_op(backend.ops.cache_write) if backend.fuses_prologue else None
         backend.prepare_layers(ops + ([self.prologue] if self.prologue is not None else []))
         self.layer_backend = backend

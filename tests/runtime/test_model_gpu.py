@@ -1,5 +1,5 @@
 """The runtime on the GPU: generated CUDA kernels (uacompile.targets.cuda) under the Llama executor, its layers
-(ir.RMSNorm with the residual add, SiluAndMul, Rope) on the CUDA backend's kernels. Tiny random HF models
+(ir.RMSNorm with the residual add, SiluAndMul, the QKVRopeCache prologue) on the CUDA backend's kernels. Tiny random HF models
 (head_dim 16: the CUDA attention template needs a multiple of 16) in fp16 / bf16 against transformers in
 float32 on the CPU."""
 import pytest
@@ -34,7 +34,7 @@ def test_cuda_logits_match_transformers(checkpoints, arch, dtype, rng):
     chunks = [[16, 8, 1, 1, 1, 10], [1] * 20, [9]]
     got = runtime_logits(engine.executor, prompts, chunks, rng)
     kinds = {op.kind for op in engine.kernels.layer_kernels}
-    assert kinds == {"rms_norm", "silu_and_mul", "rope"}, kinds  # the layers ran on the CUDA kernels
+    assert kinds == {"rms_norm", "silu_and_mul", "qkv_rope_cache"}, kinds  # the layers ran on the CUDA kernels
     assert_logits_match(model, prompts, got, TOL[dtype], f"{arch} {dtype}")
 
 

@@ -55,3 +55,21 @@ def spill_stores(ops, tmp_path) -> list[int]:
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
     assert spills, proc.stderr
     return spills
+
+
+def to_torch(a, device="cuda", pinned=False):
+    """A numpy array of any IR dtype (bf16 and fp8 from ml_dtypes included) as a torch tensor on device; on the CPU
+    a copy, pinned if asked."""
+    import numpy as np
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if a.dtype == ir.numpy_dtype("bf16"):
+        t = torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    elif a.dtype == ir.numpy_dtype("fp8_e4m3"):
+        t = torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
+    else:
+        t = torch.from_numpy(a)
+    if device == "cpu":
+        return t.pin_memory() if pinned else t.clone()
+    return t.to(device)

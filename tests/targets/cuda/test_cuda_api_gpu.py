@@ -10,6 +10,8 @@ import pytest
 from uacompile import ir, reference, testing
 from uacompile.ir import numpy_dtype
 
+from cuda_helpers import to_torch
+
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -44,19 +46,6 @@ def _built():
 
 
 # ---------------------------------------------------------------- numpy <-> torch, bytes
-def to_torch(a: np.ndarray, device="cuda", pinned=False):
-    a = np.ascontiguousarray(a)
-    if a.dtype == numpy_dtype("bf16"):
-        t = torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
-    elif a.dtype == numpy_dtype("fp8_e4m3"):
-        t = torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
-    else:
-        t = torch.from_numpy(a)
-    if device == "cpu":
-        return t.pin_memory() if pinned else t.clone()
-    return t.to(device)
-
-
 def to_numpy(t, like: np.ndarray) -> np.ndarray:
     raw = t.detach().cpu().contiguous().view(torch.uint8).numpy()
     return raw.view(like.dtype).reshape(like.shape)

@@ -10,6 +10,8 @@ import pytest
 from uacompile import ir, reference, testing
 from uacompile.ir import numpy_dtype
 
+from cuda_helpers import to_torch
+
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -33,12 +35,6 @@ def _built():
     from uacompile.targets.cuda import api
 
     api.preload([*NORMS, *ACTS, *ROPES, *PROLOGUES])
-
-
-def to_torch(a: np.ndarray) -> torch.Tensor:
-    a = np.ascontiguousarray(a)
-    t = torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16) if a.dtype == numpy_dtype("bf16") else torch.from_numpy(a)
-    return t.to("cuda")
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -197,10 +193,12 @@ def test_qkv_rope_cache_matches_reference(op, num_tokens, rng):
     api.kernel(op)(**dev, q_out=q_out)
     got_q = to_numpy(q_out)
     assert np.isfinite(got_q).all(), "unwritten (NaN) q_out"
-    # within 2 ulps of the head's largest element everywhere (RoPE mixes a pair: an input rounding moves both)
-    head_max = np.abs(want_q).max(-1, keepdims=True).astype(numpy_dtype(op.dtype))
-    assert (np.abs(got_q - want_q) <= 2 * np.spacing(head_max).astype(np.float64)).all()
     exact = op.dtype != "fp32" or not op.qk_norm  # a float32 norm against float64 rounds half the fp32 values apart
+    # within 2 ulps of the head's largest element everywhere (RoPE mixes a pair: an input rounding moves both); an
+    # fp32 output carries the float32 norm's own error (rsqrtf's 2 ulps, the two products) through RoPE: 8 fp32 ulps
+    head_max = np.abs(want_q).max(-1, keepdims=True).astype(numpy_dtype(op.dtype))
+    bound = 2 if exact else 8
+    assert (np.abs(got_q - want_q) <= bound * np.spacing(head_max).astype(np.float64)).all()
     if exact:
         off = ulps_apart(got_q, want_q, op.dtype)
         assert (off > 0).mean() <= 2e-3, f"{(off > 0).sum()} of {off.size} q elements differ"

@@ -121,5 +121,26 @@ __device__ __forceinline__ void copy_chunk(const V* __restrict__ from, V* __rest
 
 __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Whether a launch on stream may carry the programmatic-stream-serialization attribute (PDL). Outside a stream
+// capture always. Inside one the launch becomes a graph node with a programmatic edge to each node it depends on,
+// and such an edge is defined between kernel nodes only: after a memset, a copy or an event wait (cuBLAS's split-K
+// zeroing, a host-to-device copy, a fork-join) a programmatic launch invalidates the capture. There it launches
+// plainly; griddepcontrol.wait in the kernel is then a no-op, the full dependency orders it.
+inline bool pdl_allowed(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaGraphNode_t* deps = nullptr;
+  size_t num_deps = 0;
+  if (cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, nullptr, &num_deps) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (status != cudaStreamCaptureStatusActive) return status == cudaStreamCaptureStatusNone;
+  for (size_t i = 0; i < num_deps; ++i) {
+    cudaGraphNodeType type;
+    if (cudaGraphNodeGetType(deps[i], &type) != cudaSuccess || type != cudaGraphNodeTypeKernel) return false;
+  }
+  return true;
+}
+
 }  // namespace ua
 #endif  // UA_COMMON_CUH

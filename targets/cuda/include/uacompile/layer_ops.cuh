@@ -57,7 +57,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// Launch kernel on stream, with the PDL attribute when pdl; returns the CUDA error code (0: launched).
+// Launch kernel on stream, with the PDL attribute when pdl and pdl_allowed; returns the CUDA error code (0: launched).
 template <typename... Params, typename... Args>
 inline int launch_pdl(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
   cudaLaunchAttribute attr[1];
@@ -69,7 +69,7 @@ inline int launch_pdl(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block
   cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = pdl && pdl_allowed(stream) ? 1 : 0;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
   return err != cudaSuccess ? (int)err : (int)cudaGetLastError();
 }
