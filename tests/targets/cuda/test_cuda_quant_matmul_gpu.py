@@ -25,6 +25,8 @@ OPS = [ir.QuantMatmul(K, N, f, d) for f in FORMATS for (K, N) in SHAPES[f] for d
 OPS += [ir.QuantMatmul(4096, 8200, "q4_k", "bf16"), ir.QuantMatmul(576, 8200, "q8_0", "fp16")]
 # K = 608: rows of 646 (q8_0) and 342 (q4_0) bytes, every other one at byte 2 of a word
 OPS += [ir.QuantMatmul(608, 72, "q8_0", "bf16"), ir.QuantMatmul(608, 72, "q4_0", "fp16")]
+# K = 256 and 768: an odd number of 256-weight units, so a two-unit CUDA-core stage has its second unit past K
+OPS += [ir.QuantMatmul(K, 40, f, "bf16") for f in FORMATS for K in (256, 768)]
 DEQUANT = [ir.Dequantize(K, f, d) for f in FORMATS for K in sorted({K for K, _ in SHAPES[f]}) for d in DTYPES]
 
 

@@ -781,10 +781,13 @@ struct QuantGemv {
     gv::static_for<0, PAIR>([&](auto ci) {
       constexpr int c = decltype(ci)::value, P = OFF + c * UB, W0 = P / 16;
       constexpr int NWC = (P % 16 + UB + 4 + 15) / 16;  // 16-byte words covering the unit (and a word past it)
+      const int nb = FULL ? UNIT / 32 : max(0, min(UNIT, K - (k0 + c * UNIT)) / 32);
+      // a unit past K (K an odd number of units in a two-unit stage): nothing was staged there, and a K-quant's
+      // unit (one super-block) reads its whole block whatever nb says
+      if (!FULL && nb == 0) return;
       uint4 s[NWC];
 #pragma unroll
       for (int q = 0; q < NWC; ++q) s[q] = gv::lds128(st + 16 * (W0 + q));
-      const int nb = FULL ? UNIT / 32 : max(0, min(UNIT, K - (k0 + c * UNIT)) / 32);
       Gemv<F>::template unit<P % 16, NT, FULL>(s, xs + c * XCHUNK, xs + c * XCHUNK + NT * UNIT, nb, acc);
     });
   }
