@@ -60,7 +60,9 @@ SMALL = dict(arch="qwen3", vocab_size=1024, hidden_size=512, intermediate_size=1
              num_kv_heads=4, head_dim=64, max_position_embeddings=512, qk_norm=True, torch_dtype="bfloat16")
 
 
-@pytest.mark.parametrize("quantization, tol", [("q8_0", 2e-2), ("fp8", 8e-2)])
+# the relative logit error of quantising this random model's projections, measured on the H200: q8_0 up to 0.026,
+# fp8 (e4m3 weights and activations) up to 0.090; a broken quantiser is off by O(1)
+@pytest.mark.parametrize("quantization, tol", [("q8_0", 4e-2), ("fp8", 1.5e-1)])
 def test_quantization_at_load_stays_near_bf16(quantization, tol, rng):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
