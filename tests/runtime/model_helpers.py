@@ -162,16 +162,29 @@ def write_every_format_gguf(path, seed: int = 3, override_type=None):
 
 
 @torch.inference_mode()
-def prompt_logprobs(executor, ids: list[int], chunk: int = 512) -> np.ndarray:
+def prompt_logprobs(executor, ids: list[int], chunk: int = 512, kv=None) -> np.ndarray:
     """log p(ids[i + 1] | ids[:i + 1]) for every i, from the runtime's own forward (its kernels, the paged KV
     cache), chunk tokens a step with every row's logits kept (the engine keeps only the sampled rows'): the
-    per-token log-probabilities a perplexity needs. Returns float64 [len(ids) - 1]."""
+    per-token log-probabilities a perplexity needs. Returns float64 [len(ids) - 1]. With kv (the engine's
+    KVManager) the pages are taken from it and given back, so an engine that goes on serving (its prefix cache)
+    keeps its pages intact; without, the text is written into pages 0, 1, ... of a cache nothing else uses."""
+    P = executor.page_size
+    s = Sequence(-1, list(ids), len(ids), SamplingParams())
+    if kv is None:
+        s.block_table = list(range(-(-len(ids) // P)))
+        assert len(s.block_table) <= executor.kv.shape[2], "KV cache too small for the text"
+        return _prompt_logprobs(executor, s, ids, chunk)
+    assert kv.allocate_slots(s, len(ids)) is not None, "KV cache too small for the text"
+    try:
+        return _prompt_logprobs(executor, s, ids, chunk)
+    finally:
+        kv.free(s)
+
+
+def _prompt_logprobs(executor, s, ids: list[int], chunk: int) -> np.ndarray:
     from uacompile.runtime.step import device_step, host_step
 
     P = executor.page_size
-    s = Sequence(0, list(ids), len(ids), SamplingParams())
-    s.block_table = list(range(-(-len(ids) // P)))
-    assert len(s.block_table) <= executor.kv.shape[2], "KV cache too small for the text"
     rows = []
     while s.num_computed_tokens < len(ids):
         n = min(chunk, len(ids) - s.num_computed_tokens)

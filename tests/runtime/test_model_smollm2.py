@@ -175,7 +175,7 @@ def test_perplexity_within_bound_of_llama_cpp(llm):
     ids = rec["ids"]
     want = llm.tokenizer.encode((Path(__file__).resolve().parents[2] / rec["text"]).read_text())
     assert ids == (want[:rec["max_tokens"]] if rec["max_tokens"] else want)
-    lp = prompt_logprobs(llm.engine.executor, ids)
+    lp = prompt_logprobs(llm.engine.executor, ids, kv=llm.engine.scheduler.kv)  # the fixture's engine serves on
     ppl = float(np.exp(-lp.mean()))
     diff = np.abs(lp - np.array(rec["token_logprobs"])).mean()
     print(f"{name} on {llm.engine.engine_config.device}: perplexity {ppl:.4f} (llama.cpp {rec['perplexity']:.4f}, "
