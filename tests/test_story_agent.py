@@ -60,3 +60,14 @@ def test_a_server_that_is_down_is_one_line():
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "story_agent" / "agent.py"), "--url",
                         "http://127.0.0.1:9", "--prompt-tokens", "64"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("agent.py: error: ") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_twenty_agent_runs_at_eight_sessions_against_the_server():
+    """The origin's integration test in shape: 20 agent runs, 8 at once, every step streamed to its end."""
+    with running_server(max_num_seqs=8) as (url, _):
+        out = __import__("asyncio").run(agent.run_sessions(url, sessions=8, prompt_tokens=384, max_tokens=16,
+                                                           scenes=2, runs=20, quiet=True))
+        assert len(out["steps"]) == 20 * 5 and len(out["stories"]) == 20
+        assert all(s["output_tokens"] >= 1 and s["ttft_s"] > 0 for s in out["steps"])
+        assert metric(url, "vllm:num_requests_running") == 0 and metric(url, "uacompile:kv_pages_in_use") == 0
+        assert metric(url, "vllm:generation_tokens_total") >= 100
