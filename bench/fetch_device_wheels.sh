@@ -12,5 +12,5 @@ python3 -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 \
   typing-inspection==0.4.2 uvicorn==0.54.0 opentelemetry-api==1.45.2 typing_extensions==4.16.0 \
   prometheus_client==0.26.0 openai==3.57.0 httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 sniffio==1.3.1 \
-  idna==3.20 certifi==2026.5.20 distro==1.9.0 jiter==0.19.0 tqdm==4.70.1  # run on the H200
+  idna==3.20 certifi==2026.5.20 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 tqdm==4.70.1  # run on the H200
 ls .whl
