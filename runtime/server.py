@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from . import chat
+from . import chat, webui
 from .async_engine import AsyncEngine, EngineDead, Overloaded, RequestStream, StreamEvent
 from .sequence import SamplingParams
 
@@ -723,6 +723,7 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                                "authentication_error", code="invalid_api_key")
 
     protected = [Depends(auth)]
+    webui.mount(app)  # the chat page at /
 
     @app.get("/health")
     async def health():

@@ -6,6 +6,7 @@ import pytest
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (run on the device; CI deselects)")
+    config.addinivalue_line("markers", "browser: drives Debian's Chromium through Playwright (.ci/run installs both)")
     config.addinivalue_line("markers", "slow: long CPU test covered in part by fast ones; deselected unless the "
                                        "-m expression names slow (CI's second step: -m \"slow and not gpu\")")
 

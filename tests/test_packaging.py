@@ -37,6 +37,8 @@ def test_regular_install_imports_every_subpackage(tmp_path):
     assert any(n.startswith("uacompile/templates/ascend/") and n.endswith(".j2") for n in names), "Ascend templates missing"
     assert "uacompile/targets/cuda/include/uacompile/common.cuh" in names, "CUDA kernel headers missing"
     assert any(n.startswith("uacompile/runtime/") for n in names)
+    for page in ("index.html", "app.js", "style.css"):
+        assert f"uacompile/runtime/static/{page}" in names, f"chat page {page} missing"
     assert "uacompile/models/stories260K.gguf" in names and "uacompile/models/README.md" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "uacompile = uacompile.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
