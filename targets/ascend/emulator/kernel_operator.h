@@ -688,8 +688,8 @@ UA_EMU_SCALAR(Mins, a < s ? a : s)
         static_assert(std::is_same_v<detail::calc_t<T>, float>, #NAME ": floating-point types only"); \
         detail::unary(#NAME, dst, src, count, [](float a) { return EXPR; });                     \
     }
-// Exp documents its range for finite inputs only (Exp, "constraints"); an infinity is
-// rejected: a running max starts at a finite floor (-2e38 in CANN's attention operators).
+// Exp of an infinity is rejected (stricter by choice: the Exp page gives no result for it);
+// a running max starts at a finite floor (-2e38 in CANN's attention operators).
 template <typename T> void Exp(const LocalTensor<T>& dst, const LocalTensor<T>& src, int32_t count) {
     static_assert(std::is_same_v<detail::calc_t<T>, float>, "Exp: floating-point types only");
     for (int32_t i = 0; i < count && i < static_cast<int32_t>(src.GetSize()); ++i)
@@ -929,7 +929,9 @@ void ReduceSum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const Local
 // ------------------------------------------------------------------ synchronisation
 namespace detail {
 // SetFlag/WaitFlag IDs (docs, constraints): 0-7 on A2; 6 and 7 are not the kernel's; with a
-// TPipe the ID comes from FetchEventID/AllocEventID for the same HardEvent.
+// TPipe the ID comes from FetchEventID/AllocEventID for the same HardEvent. A fetched ID is
+// not occupied and serves the SetFlag/WaitFlag right after the fetch (FetchEventID,
+// atlasascendc_api_07_0116): its WaitFlag spends it.
 inline void check_event_id(const char* api, HardEvent e, int32_t id) {
     UA_EMU_CHECK(id >= 0 && id < ua_emu::kEventIds, "%s<%s>(%d): event id must be in [0, 8)", api, event_name(e), id);
     UA_EMU_CHECK(id < kUserEventIds, "%s<%s>(%d): event IDs 6 and 7 are reserved (6 system, 7 TPipe automatic sync)", api,
