@@ -88,6 +88,9 @@ def test_build_ascend_records_emulator_verification(tmp_path):
         assert verified[op] == "emulator", kernels
     merge = next(e for e in kernels if e["op"] == "merge_state")
     assert merge["library"] is None and "no lowering for merge_state" in merge["reason"]
+    attn = [e for e in kernels if e["op"] == "paged_attention"]
+    assert attn and all(x["label"] == "estimate (not measured)" for e in attn for x in e["estimate"])
+    assert "estimate ascend" in r.stdout and "decode 32 x 4K" in r.stdout and "[estimate:" in r.stdout
 
 
 PA8 = ["--set", "num_q_heads=8", "--set", "num_kv_heads=4", "--set", "head_dim=8", "--set", "q_dtype=fp32",

@@ -135,6 +135,12 @@ def cmd_build(args) -> int:
     built = sum(e["library"] is not None for e in manifest["kernels"])
     print(f"{built}/{len(manifest['kernels'])} kernels built -> {out / 'manifest.json'}")
     for e in manifest["kernels"]:
+        for est in e.get("estimate", ()):  # ascend paged attention: per-shape estimates, not measurements
+            print(f"  estimate {e['target']} {e['symbol']}: {est['shape']}: ~{est['estimate_us']:,.0f} us vs HBM floor "
+                  f"{est['hbm_floor_us']:,.0f} us ({est['vs_floor']:.1f}x), {est['vector_instructions'] / 1e6:,.1f} M "
+                  f"vector instr, {est['matmul_flops'] / 1e9:,.1f} GFLOP matmul, {est['hbm_bytes'] / 1e6:,.0f} MB "
+                  f"[estimate: {est['basis']}]")
+    for e in manifest["kernels"]:
         if e["library"] is None:  # the symbol tells variants of one op apart
             print(f"  not built: {e['target']}/{e['lowering']} {e['symbol']}: {e['reason']}")
     return 0

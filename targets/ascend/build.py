@@ -17,6 +17,7 @@ from uacompile.cache import cached_build, content_hash, toolchain_versions
 from uacompile.errors import IRError
 from uacompile.ir import OpSpec
 
+from .estimate import estimate
 from .generate import DEFAULT_SOC, EMULATOR_DIR, STATUS, KernelSources, generate
 from .runner import EmulatedKernel
 from .verify import verify
@@ -114,6 +115,8 @@ def build_and_verify(op: OpSpec, out_dir, soc: str = DEFAULT_SOC, seed: int = 0)
         entry["verified"] = f"unsupported: {e}"
         return entry
     paths = src.write(out)
+    if op.kind == "paged_attention":  # labelled estimates per shape (estimate.py), never measurements
+        entry["estimate"] = estimate(op, soc)
     entry.update(kernel=src.kernel, plan=src.plan.to_dict(), cmake=str(out / "CMakeLists.txt"),
                  source=[str(p) for p in paths if p.suffix in (".cpp", ".h")])
     try:

@@ -95,7 +95,13 @@ inline std::string format(const char* fmt, ...) {
 
 // ------------------------------------------------------------------ per-block context
 // Producer -> consumer pairs of the pipes (V vector, S scalar, MTE2 GM->UB, MTE3 UB->GM).
-enum Hazard { V_V, V_MTE3, V_S, MTE2_V, MTE2_S, MTE2_MTE3, S_V, S_MTE3, kNumHazards };
+// All are read-after-write except the two write-after-read lists of the scalar unit:
+// MTE3_S_WAR, UB an MTE3 copy may still read, which SetValue may overwrite only after
+// WaitFlag<HardEvent::MTE3_S>; and MTE3_S_VIA_V, such UB whose VECOUT buffer was allocated
+// again: AllocTensor orders the vector unit behind MTE3 (its MTE3_V wait), not the scalar
+// unit, so the scalar unit is ordered once it waits on the vector unit (WaitFlag<V_S>) or on
+// MTE3 (TQue AllocTensor / SetFlag-WaitFlag pages of the AscendC API reference).
+enum Hazard { V_V, V_MTE3, V_S, MTE2_V, MTE2_S, MTE2_MTE3, S_V, S_MTE3, MTE3_S_WAR, MTE3_S_VIA_V, kNumHazards };
 
 struct BlockContext {
     int64_t idx = 0, num = 1;
@@ -107,7 +113,8 @@ struct BlockContext {
     std::vector<std::pair<const uint8_t*, const uint8_t*>> pending[kNumHazards];
     std::map<int, int> flags;     // (event, id) -> SetFlag count not yet waited
     // Event IDs in use per HardEvent: bit i of held[e] = ID i is held by a freed queue
-    // buffer or an AllocEventID; issued[e] = IDs the pipe handed out (Alloc or Fetch).
+    // buffer or an AllocEventID; issued[e] = IDs the pipe handed out and not yet spent: a
+    // fetched ID serves one SetFlag/WaitFlag pair, an allocated one until ReleaseEventID.
     uint8_t held[kNumHardEvents] = {};
     uint8_t issued[kNumHardEvents] = {};
     void* pipe = nullptr;         // the kernel's TPipe (GetTPipePtr)

@@ -65,6 +65,10 @@ inline const char* hazard_fix(Hazard h) {
         case ua_emu::MTE2_S: return "loaded by DataCopy, without WaitFlag<HardEvent::MTE2_S>";
         case ua_emu::MTE2_MTE3: return "loaded by DataCopy, without a TQueBind EnQue/DeQue or WaitFlag<HardEvent::MTE2_MTE3>";
         case ua_emu::S_V: return "written by SetValue, without WaitFlag<HardEvent::S_V>";
+        case ua_emu::MTE3_S_WAR:
+        case ua_emu::MTE3_S_VIA_V:
+            return "still read by a DataCopy to GM, without WaitFlag<HardEvent::MTE3_S> before the scalar write "
+                   "(write-after-read)";
         default: return "written by SetValue, without WaitFlag<HardEvent::S_MTE3>";
     }
 }
@@ -171,6 +175,8 @@ template <typename T> class LocalTensor {
     }
     void SetValue(uint32_t i, T v) const {
         check_scalar("LocalTensor::SetValue", i);
+        detail::consume({ua_emu::MTE3_S_WAR, ua_emu::MTE3_S_VIA_V}, addr_ + i, sizeof(T), "LocalTensor::SetValue",
+                        "the element");
         addr_[i] = v;
         detail::produce({ua_emu::S_V, ua_emu::S_MTE3}, addr_ + i, sizeof(T));
     }
@@ -235,6 +241,7 @@ class QueueBase {
                 s.state = kHeld;
                 if (s.event_id >= 0) give_event_id(free_event_, s.event_id);  // the wait on the free event
                 s.event_id = -1;
+                if (free_event_ == static_cast<int>(HardEvent::MTE3_V)) order_vector_after_mte3(s.addr);
                 return LocalTensor<T>(reinterpret_cast<T*>(s.addr), static_cast<uint32_t>(bytes_ / sizeof(T)));
             }
         throw ua_emu::Error(ua_emu::format("TQue::AllocTensor: all %zu buffers are in use (FreeTensor missing?)", slots_.size()));
@@ -261,6 +268,18 @@ class QueueBase {
                      slots_[i].state == kQueued ? "still queued (DeQue it first)" : "already free (double free)");
         slots_[i].event_id = take_event_id(free_event_, "TQue::FreeTensor");
         slots_[i].state = kFree;
+    }
+    // The MTE3_V wait of a VECOUT AllocTensor: the buffer's pending copy-out reads are
+    // ordered for the vector unit; the scalar unit still needs a V_S or MTE3_S wait.
+    void order_vector_after_mte3(const uint8_t* lo) {
+        auto& war = ua_emu::block().pending[ua_emu::MTE3_S_WAR];
+        auto& via = ua_emu::block().pending[ua_emu::MTE3_S_VIA_V];
+        const uint8_t* hi = lo + bytes_;
+        for (size_t i = war.size(); i-- > 0;)
+            if (war[i].first < hi && lo < war[i].second) {
+                via.push_back(war[i]);
+                war.erase(war.begin() + static_cast<long>(i));
+            }
     }
     void init(std::vector<uint8_t*> addrs, uint32_t bytes) {
         for (auto* a : addrs) slots_.push_back({a, kFree, -1});
@@ -415,6 +434,7 @@ class TPipe {
         UA_EMU_CHECK(id >= 0 && id < ua_emu::kEventIds && (b.held[ev] & (1u << id)),
                      "ReleaseEventID<%s>(%d): the ID was not allocated", detail::event_name(e), id);
         b.held[ev] &= static_cast<uint8_t>(~(1u << id));
+        b.issued[ev] &= static_cast<uint8_t>(~(1u << id));
     }
 
   private:
@@ -513,6 +533,7 @@ template <typename T> void DataCopy(const GlobalTensor<T>& dst, const LocalTenso
     detail::check_local(src, count, "DataCopy(UB->GM)", "src");
     detail::check_gm(dst, count, "DataCopy(UB->GM)");
     detail::consume({ua_emu::V_MTE3, ua_emu::MTE2_MTE3, ua_emu::S_MTE3}, src.addr_, uint64_t(count) * sizeof(T), "DataCopy(UB->GM)", "src");
+    detail::produce({ua_emu::MTE3_S_WAR}, src.addr_, uint64_t(count) * sizeof(T));
     std::memcpy(dst.addr_, src.addr_, uint64_t(count) * sizeof(T));
 }
 template <typename T> void DataCopy(const LocalTensor<T>& dst, const LocalTensor<T>& src, uint32_t count) {
@@ -544,6 +565,7 @@ template <typename T> void DataCopy(const GlobalTensor<T>& dst, const LocalTenso
     detail::check_local(src, ((n - 1) * src_step + len) / sizeof(T), api, "src");
     detail::check_gm(dst, ((n - 1) * dst_step + len) / sizeof(T), api);
     detail::consume({ua_emu::V_MTE3, ua_emu::MTE2_MTE3, ua_emu::S_MTE3}, src.addr_, (n - 1) * src_step + len, api, "src");
+    detail::produce({ua_emu::MTE3_S_WAR}, src.addr_, (n - 1) * src_step + len);
     detail::copy_blocks(reinterpret_cast<uint8_t*>(dst.addr_), dst_step, reinterpret_cast<const uint8_t*>(src.addr_),
                         src_step, p.blockCount, len);
 }
@@ -600,6 +622,7 @@ template <typename T> void DataCopyPad(const GlobalTensor<T>& dst, const LocalTe
     detail::check_local(src, ((n - 1) * ub_step + row) / sz, api, "src");
     detail::check_gm(dst, ((n - 1) * gm_step + p.blockLen) / sz, api);
     detail::consume({ua_emu::V_MTE3, ua_emu::MTE2_MTE3, ua_emu::S_MTE3}, src.addr_, (n - 1) * ub_step + row, api, "src");
+    detail::produce({ua_emu::MTE3_S_WAR}, src.addr_, (n - 1) * ub_step + row);
     detail::copy_blocks(reinterpret_cast<uint8_t*>(dst.addr_), gm_step, reinterpret_cast<const uint8_t*>(src.addr_),
                         ub_step, p.blockCount, p.blockLen);
 }
@@ -665,7 +688,16 @@ UA_EMU_SCALAR(Mins, a < s ? a : s)
         static_assert(std::is_same_v<detail::calc_t<T>, float>, #NAME ": floating-point types only"); \
         detail::unary(#NAME, dst, src, count, [](float a) { return EXPR; });                     \
     }
-UA_EMU_UNARY(Exp, std::exp(a))
+// Exp of an infinity is rejected (stricter by choice: the Exp page gives no result for it);
+// a running max starts at a finite floor (-2e38 in CANN's attention operators).
+template <typename T> void Exp(const LocalTensor<T>& dst, const LocalTensor<T>& src, int32_t count) {
+    static_assert(std::is_same_v<detail::calc_t<T>, float>, "Exp: floating-point types only");
+    for (int32_t i = 0; i < count && i < static_cast<int32_t>(src.GetSize()); ++i)
+        UA_EMU_CHECK(std::isfinite(static_cast<float>(src.addr_[i])),
+                     "Exp: input %d is %g; Exp of an infinity is undocumented (start a running max at -2e38)", i,
+                     static_cast<double>(static_cast<float>(src.addr_[i])));
+    detail::unary("Exp", dst, src, count, [](float a) { return std::exp(a); });
+}
 UA_EMU_UNARY(Sqrt, std::sqrt(a))
 UA_EMU_UNARY(Abs, std::fabs(a))
 #undef UA_EMU_UNARY
@@ -897,7 +929,9 @@ void ReduceSum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const Local
 // ------------------------------------------------------------------ synchronisation
 namespace detail {
 // SetFlag/WaitFlag IDs (docs, constraints): 0-7 on A2; 6 and 7 are not the kernel's; with a
-// TPipe the ID comes from FetchEventID/AllocEventID for the same HardEvent.
+// TPipe the ID comes from FetchEventID/AllocEventID for the same HardEvent. A fetched ID is
+// not occupied and serves the SetFlag/WaitFlag right after the fetch (FetchEventID,
+// atlasascendc_api_07_0116): its WaitFlag spends it.
 inline void check_event_id(const char* api, HardEvent e, int32_t id) {
     UA_EMU_CHECK(id >= 0 && id < ua_emu::kEventIds, "%s<%s>(%d): event id must be in [0, 8)", api, event_name(e), id);
     UA_EMU_CHECK(id < kUserEventIds, "%s<%s>(%d): event IDs 6 and 7 are reserved (6 system, 7 TPipe automatic sync)", api,
@@ -930,15 +964,24 @@ template <HardEvent e> inline void WaitFlag(int32_t id) {
     int& n = b.flags[static_cast<int>(e) * 8 + id];
     UA_EMU_CHECK(n > 0, "WaitFlag<%s>(%d) without a matching SetFlag (would hang)", detail::event_name(e), id);
     --n;
+    const int ev = static_cast<int>(e);
+    if (!(b.held[ev] & (1u << id))) b.issued[ev] &= static_cast<uint8_t>(~(1u << id));  // a fetched ID is spent
     switch (e) {  // the wait makes the producer pipe's earlier writes visible to the consumer
         case HardEvent::V_MTE3: detail::clear(ua_emu::V_MTE3); break;
-        case HardEvent::V_S: detail::clear(ua_emu::V_S); break;
+        case HardEvent::V_S:
+            detail::clear(ua_emu::V_S);
+            detail::clear(ua_emu::MTE3_S_VIA_V);
+            break;
         case HardEvent::MTE2_V: detail::clear(ua_emu::MTE2_V); break;
         case HardEvent::MTE2_S: detail::clear(ua_emu::MTE2_S); break;
         case HardEvent::MTE2_MTE3: detail::clear(ua_emu::MTE2_MTE3); break;
         case HardEvent::S_V: detail::clear(ua_emu::S_V); break;
         case HardEvent::S_MTE3: detail::clear(ua_emu::S_MTE3); break;
-        default: break;  // write-after-read events: nothing tracked
+        case HardEvent::MTE3_S:
+            detail::clear(ua_emu::MTE3_S_WAR);
+            detail::clear(ua_emu::MTE3_S_VIA_V);
+            break;
+        default: break;  // the other write-after-read events are ordered by the queues
     }
 }
 

@@ -298,6 +298,29 @@ int st_negative(const char* name)
                 SetFlag<HardEvent::V_S>(0);
                 WaitFlag<HardEvent::V_S>(0);
             }
+            if (c == "event_id_literal_after_fetch") {  // a fetched ID serves one pair: a literal reuse is not issued
+                const TEventID id = pipe.FetchEventID(HardEvent::V_S);
+                SetFlag<HardEvent::V_S>(id);
+                WaitFlag<HardEvent::V_S>(id);
+                SetFlag<HardEvent::V_S>(0);
+                WaitFlag<HardEvent::V_S>(0);
+            }
+            if (c == "scalar_war_mte3" || c == "scalar_war_mte3_synced") {  // SetValue on UB a copy to GM still reads
+                Duplicate(x, 1.0f, 8);
+                const TEventID vm = pipe.FetchEventID(HardEvent::V_MTE3);
+                SetFlag<HardEvent::V_MTE3>(vm);
+                WaitFlag<HardEvent::V_MTE3>(vm);
+                const TEventID vs = pipe.FetchEventID(HardEvent::V_S);
+                SetFlag<HardEvent::V_S>(vs);
+                WaitFlag<HardEvent::V_S>(vs);
+                DataCopy(g, x, 8);
+                if (c == "scalar_war_mte3_synced") {
+                    const TEventID ms = pipe.FetchEventID(HardEvent::MTE3_S);
+                    SetFlag<HardEvent::MTE3_S>(ms);
+                    WaitFlag<HardEvent::MTE3_S>(ms);
+                }
+                x.SetValue(0, 2.0f);
+            }
             if (c == "event_id_reserved") {  // ID 7 belongs to the TPipe's automatic synchronisation
                 SetFlag<HardEvent::V_S>(7);
                 WaitFlag<HardEvent::V_S>(7);
@@ -425,7 +448,8 @@ int st_tiling_slot(int64_t stride, int64_t slot)
         if (aclrtMalloc((void**)&dev, 64 * 64, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_SUCCESS) return 2;
         if (aclrtMallocHost((void**)&host, 64 * 64) != ACL_SUCCESS) return 2;
         std::memset(host, 0, 64 * 64);
-        const aclError rc = aclrtMemcpyAsync(dev + slot * stride, 40, host + slot * stride, 40, ACL_MEMCPY_HOST_TO_DEVICE, nullptr);
+        const aclError rc =
+            aclrtMemcpyAsync(dev + slot * stride, stride, host + slot * stride, 40, ACL_MEMCPY_HOST_TO_DEVICE, nullptr);
         aclrtFree(dev);
         aclrtFreeHost(host);
         return rc == ACL_SUCCESS ? 0 : 2;

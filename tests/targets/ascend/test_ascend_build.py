@@ -71,14 +71,62 @@ def test_ln_of_an_empty_split_is_rejected(tmp_path, rng):
         run_attention(kernel, inputs)
 
 
-def test_tiling_slots_sizeof_apart_are_rejected(tmp_path, rng):
+def test_tiling_slots_sizeof_apart_do_not_build(tmp_path):
     src = generate(SPLITS)
-    old = f"constexpr size_t kSlotBytes = (sizeof({src.symbol}_tiling) + 63) / 64 * 64;"
-    kernel = _edited(SPLITS, tmp_path, "host", old, f"constexpr size_t kSlotBytes = sizeof({src.symbol}_tiling);")
-    inputs = testing.attention_inputs(SPLITS, rng, [3])
-    run_attention(kernel, inputs)  # slot 0 is aligned
-    with pytest.raises(EmulatorError, match="64-byte aligned"):
-        run_attention(kernel, inputs)  # slot 1 starts 40 B in
+    old = "constexpr size_t kSlotBytes = (kSlotRoom + 63) / 64 * 64;"
+    with pytest.raises(build.BuildError, match="tiling slots"):
+        _edited(SPLITS, tmp_path, "host", old, f"constexpr size_t kSlotBytes = sizeof({src.symbol}_tiling);")
+
+
+def test_tiling_slots_64_bytes_apart_are_rejected(tmp_path, rng):
+    """A 40 B piece of an aclrtMalloc block needs ALIGN_UP(40, 32) + 32 = 96 B: 64 B slots are too small."""
+    src = generate(SPLITS)
+    old = f"constexpr size_t kSlotRoom = (sizeof({src.symbol}_tiling) + 31) / 32 * 32 + 32;"
+    kernel = _edited(SPLITS, tmp_path, "host", old, f"constexpr size_t kSlotRoom = sizeof({src.symbol}_tiling);")
+    with pytest.raises(EmulatorError, match=r"ALIGN_UP\(len, 32\) \+ 32 = 96 B"):
+        run_attention(kernel, testing.attention_inputs(SPLITS, rng, [3]))
+
+
+def test_a_second_device_gets_its_own_tiling_slots(tmp_path, rng):
+    """Launches on device 1 after device 0 copy into device 1's memory; the old process-global
+    slots handed device 1 the block made on device 0, which the emulator rejects."""
+    import cffi
+
+    ffi = cffi.FFI()
+    ffi.cdef("int ua_emu_set_device(int32_t);")
+    inputs = testing.attention_inputs(SPLITS, rng, [3, 9])
+    fixed = build.load(SPLITS)
+    old = "int32_t device = 0;\n    aclError rc = aclrtGetDevice(&device);"
+    shared = _edited(SPLITS, tmp_path, "host", old, "int32_t device = 0;\n    aclError rc = ACL_SUCCESS;")
+    for kernel, ok in ((fixed, True), (shared, False)):
+        lib = ffi.dlopen(str(kernel.library))
+        try:
+            assert lib.ua_emu_set_device(0) == 0
+            want = run_attention(kernel, inputs)
+            assert lib.ua_emu_set_device(1) == 0
+            if ok:
+                got = run_attention(kernel, inputs)
+                assert all(bit_equal(got[k], want[k]) for k in want)
+            else:
+                with pytest.raises(EmulatorError, match="memory of device 0, the current device is 1"):
+                    run_attention(kernel, inputs)
+        finally:
+            lib.ua_emu_set_device(0)
+
+
+def test_scalar_write_after_a_copy_out_is_rejected(tmp_path, rng):
+    """int8 reshape_and_cache: SetValue on a VECOUT buffer right after AllocTensor, while the
+    previous copy to GM may still read it (write-after-read, not ordered for the scalar unit)."""
+    kernel = _edited(RESHAPE, tmp_path, "kernel", "Sync<AscendC::HardEvent::MTE3_S>();", "")
+    with pytest.raises(EmulatorError, match="write-after-read"):
+        run_inplace(kernel, testing.reshape_and_cache_inputs(RESHAPE, rng, 5, 2))
+
+
+def test_exp_of_minus_infinity_on_the_first_tile_is_rejected(tmp_path, rng):
+    """A running max started at -inf makes the first tile's rescale Exp(-inf)."""
+    kernel = _edited(SPLITS, tmp_path, "kernel", "m[h] = MAX_FLOOR;", "m[h] = NEG_INF;")
+    with pytest.raises(EmulatorError, match="Exp of an infinity"):
+        run_attention(kernel, testing.attention_inputs(SPLITS, rng, [3]))
 
 
 def test_icpu_run_kf_over_the_callers_buffers_is_rejected(tmp_path, rng):

@@ -271,6 +271,8 @@ NEGATIVE = {
     # the documented contract (README.md, "Rules the emulator enforces")
     "ub_scratch_reserve": "stay free as API scratch",
     "event_id_literal": "not issued by the TPipe",
+    "event_id_literal_after_fetch": "not issued by the TPipe",
+    "scalar_war_mte3": "write-after-read",
     "event_id_reserved": "reserved",
     "setflag_twice": "twice without a WaitFlag",
     "setflag_unwaited": "without a WaitFlag before the kernel ends",
@@ -288,7 +290,7 @@ def test_rule_violations_are_rejected(emu, case):
     assert NEGATIVE[case] in msg, msg
 
 
-@pytest.mark.parametrize("case", ["ok", "cast_i32_half_deqscale"])
+@pytest.mark.parametrize("case", ["ok", "cast_i32_half_deqscale", "scalar_war_mte3_synced"])
 def test_the_synchronised_control_programs_pass(emu, case):
     rc, msg = call(emu, "st_negative", case.encode())
     assert rc == 0, msg
@@ -334,10 +336,18 @@ def test_reciprocal_softcap_misses_the_fp16_tolerance_and_div_meets_it(emu, rng)
 
 # ---------------------------------------------------------------- aclrtMemcpyAsync alignment
 def test_tiling_slots_sizeof_apart_break_the_64_byte_memcpy_rule(emu):
-    """The old launcher's slot 1 of a 40 B tiling struct starts 40 B in: rejected; 64 B slots pass."""
+    """Slot 1 of a 40 B tiling struct 40 B in is not 64-byte aligned: rejected."""
     rc, msg = call(emu, "st_tiling_slot", 40, 1)
     assert rc == 1 and "64-byte aligned" in msg, msg
-    rc, msg = call(emu, "st_tiling_slot", 64, 1)
+
+
+@pytest.mark.parametrize("slot", [0, 1])
+def test_tiling_slots_64_bytes_apart_break_the_sub_allocation_rule(emu, slot):
+    """A 40 B piece of an aclrtMalloc block takes ALIGN_UP(40, 32) + 32 = 96 B, 128 B apart: the
+    old launcher's 64 B slots are rejected, 128 B slots pass."""
+    rc, msg = call(emu, "st_tiling_slot", 64, slot)
+    assert rc == 1 and "ALIGN_UP(len, 32) + 32 = 96 B" in msg, msg
+    rc, msg = call(emu, "st_tiling_slot", 128, slot)
     assert rc == 0, msg
 
 

@@ -123,11 +123,12 @@ def test_swap_pages_must_keep_the_64_byte_memcpy_alignment():
         plan(SwapBlocks(1, 24, 1))  # 48 B pages
 
 
-def test_launcher_uses_64_byte_tiling_slots_checks_the_launch_and_gmalloc_copies():
+def test_launcher_uses_sub_allocated_tiling_slots_per_device_checks_the_launch_and_gmalloc_copies():
     src = generate(PagedAttention(8, 2, 64, 16))
     host = src.files[f"{src.symbol}_host.cpp"]
-    assert "kSlotBytes = (sizeof(" in host and "+ 63) / 64 * 64" in host
-    assert "aclrtSynchronizeEvent(g_tiling.done[slot])" in host and "aclrtRecordEvent(g_tiling.done[slot]" in host
+    assert "kSlotRoom = (sizeof(" in host and "+ 31) / 32 * 32 + 32" in host and "(kSlotRoom + 63) / 64 * 64" in host
+    assert "aclrtGetDevice(&device)" in host and "by_device[device]" in host
+    assert "aclrtSynchronizeEvent(g.done[slot])" in host and "aclrtRecordEvent(slots->done[slot]" in host
     assert "const uint32_t launched = ACLRT_LAUNCH_KERNEL(" in host and "if (launched != 0) return" in host
     assert "ICPU_RUN_KF(" in host and "q_gm, k_cache_gm" in host and "gm_copy_out(out, out_gm" in host
 
