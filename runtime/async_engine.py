@@ -211,6 +211,14 @@ class AsyncEngine:
         if stream.request_id is not None and not stream.done:
             self._command(("abort", stream.request_id))
 
+    async def inspect(self, fn):
+        """fn(engine)'s result, run on the engine thread between steps (a consistent read of its state)."""
+        if not self.is_alive:
+            raise EngineDead("the engine is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._command(("inspect", fn, fut))
+        return await asyncio.wrap_future(fut)
+
     def _command(self, cmd) -> None:
         self._cmds.put(cmd)
         self._wake.set()
@@ -267,6 +275,13 @@ class AsyncEngine:
                 self.counters["prompt_tokens"] += len(req.prompt_token_ids)
                 self._live[rid] = _Live(stream, self.engine.tokenizer, req.prompt_token_ids)
                 fut.set_result(rid)
+            elif cmd[0] == "inspect":
+                _, fn, fut = cmd
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self.engine))
+                    except Exception as e:  # noqa: BLE001  (the caller's to handle)
+                        fut.set_exception(e)
             elif cmd[0] == "abort":
                 rid = cmd[1]
                 if rid in self._live:

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server over AsyncEngine (FastAPI + uvicorn).
 
 Routes: /v1/completions, /v1/chat/completions (both with SSE streaming), /v1/models, /health,
-/metrics (Prometheus, vLLM's metric names), llama.cpp's /completion, and /tokenize, /detokenize in vLLM's
+/metrics (Prometheus, vLLM's metric names), llama-server's /completion, /props, /slots and /apply-template
+(runtime/server_llama.py), and /tokenize, /detokenize in vLLM's
 shapes (which take llama-server's `content` / `add_special` / `with_pieces` too and answer with both servers'
 keys). Prompts are scored with echo + logprobs (max_tokens 0: the prompt alone) or vLLM's prompt_logprobs. A
 body field the server does not implement is a 400 that names it (`user` alone is accepted and ignored). Bad
@@ -40,7 +41,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from . import chat
+from . import chat, server_llama
 from .async_engine import AsyncEngine, EngineDead, Overloaded, RequestStream, StreamEvent
 from .sequence import SamplingParams
 
@@ -265,6 +266,7 @@ class ServerConfig:
     max_stop_strings: int = 32
     max_stop_chars: int = 256               # of one stop string
     max_prompt_chars: int | None = None     # default: max_model_len x the longest token's text x 2
+    model_path: str | None = None           # what /props reports
 
     def __post_init__(self):
         for name in ("max_n", "max_request_bytes", "max_json_depth", "max_stop_strings", "max_stop_chars"):
@@ -554,6 +556,13 @@ class _Served:
             self.abort(streams)
             raise APIError(400, str(e)) from None
         return streams
+
+    async def inspect(self, fn):
+        """fn(engine) on the engine thread (a consistent read of its state)."""
+        try:
+            return await self.aengine.inspect(fn)
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_unavailable") from None
 
     def abort(self, streams: list[RequestStream]) -> None:
         for s in streams:
@@ -900,7 +909,11 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
         ids = await served.encode(body.prompt)
         if body.n_probs < 0:
             raise APIError(400, f"n_probs must be >= 0, got {body.n_probs}", param="n_probs")
-        params = _params(max_tokens=served.max_tokens(None if body.n_predict < 0 else body.n_predict or 1,
+        if body.n_predict < -1:
+            raise APIError(400, f"n_predict must be -1 (until the context is full), 0 (the prompt only) or "
+                                f"more, got {body.n_predict}", param="n_predict")
+        no_output = body.n_predict == 0  # the prompt is evaluated (and cached); the one token sampled is dropped
+        params = _params(max_tokens=served.max_tokens(None if body.n_predict < 0 else max(body.n_predict, 1),
                                                       len(ids), None),
                          temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
                          min_p=body.min_p, repetition_penalty=body.repeat_penalty,
@@ -909,26 +922,43 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                          ignore_eos=body.ignore_eos, logprobs=body.n_probs or None)
         streams = await served.start([ids], params, 0)
         stream = streams[0]
+        out_ids: list[int] = []
+        text_of = served._text
 
-        def final(content: str) -> dict:
+        def probs(evs: list) -> dict:
+            return {"completion_probabilities": server_llama.completion_probabilities(
+                [lp for e in evs for lp in e.logprobs], served._text)} if body.n_probs and not no_output else {}
+
+        def final(content: str, shown: str, evs: list) -> dict:
+            """The last response: content (the whole text, or "" ending a stream), shown: all the text sent."""
             t = stream.timing
-            reason = stream.finish_reasons.get(0)
+            reason = "length" if no_output else stream.finish_reasons.get(0)
             d = t.as_dict()
-            n_out = t.num_output_tokens
-            return {"content": content, "stop": True, "model": cfg.model_name, "tokens_predicted": n_out,
-                    "tokens_evaluated": t.num_prompt_tokens, "stop_type": {"length": "limit"}.get(reason, reason),
+            n_out = 0 if no_output else t.num_output_tokens
+            kind = server_llama.stop_type(reason, out_ids[-1] if out_ids else None,
+                                          served.engine.model.cfg.eos_token_ids, body.ignore_eos)
+            word = ""
+            if kind == "word" and served.tokenizer is not None:
+                word = server_llama.stopping_word(served.tokenizer.decode_continuation(ids, out_ids), shown,
+                                                  body.stop)
+            return {"content": "" if no_output else content, "stop": True, "model": cfg.model_name,
+                    "tokens_predicted": n_out, "tokens_evaluated": t.num_prompt_tokens, "stop_type": kind,
+                    "stopping_word": word, **probs(evs),
                     "timings": {"prompt_n": t.num_prompt_tokens, "prompt_ms": d["ttft_ms"], "predicted_n": n_out,
                                 "predicted_per_token_ms": d["tpot_ms"], "predicted_ms": d["e2e_ms"],
                                 "predicted_per_second": (1e3 / d["tpot_ms"]) if d["tpot_ms"] else None}}
 
         if body.stream:
             async def events():
+                shown = []
                 try:
                     async for _, evs in served.merged(streams):
                         for e in evs:
-                            if e.text:
-                                yield _sse({"content": e.text, "tokens": e.token_ids, "stop": False})
-                    yield _sse(final(""))
+                            out_ids.extend(e.token_ids)
+                            if e.text and not no_output:
+                                shown.append(e.text)
+                                yield _sse({"content": e.text, "tokens": e.token_ids, "stop": False, **probs([e])})
+                    yield _sse(final("", "".join(shown), []))
                 except APIError as e:
                     yield _sse({"error": {"message": e.message, "type": e.type}})
                 finally:
@@ -938,16 +968,21 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                                      background=BackgroundTask(served.abort, streams))
 
         async def collect():
-            parts = []
+            got = []
             try:
                 async for _, evs in served.merged(streams):
-                    parts.extend(e.text for e in evs)
+                    got.extend(evs)
+                    for e in evs:
+                        out_ids.extend(e.token_ids)
             finally:
                 served.abort(streams)
-            return "".join(parts)
+            return got
 
-        return final(await _until_disconnect(request, collect()))
+        got = await _until_disconnect(request, collect())
+        text = "".join(e.text for e in got)
+        return final(text, text, got)
 
+    server_llama.add_routes(app, served, cfg, protected, APIError)
     return app
 
 
@@ -1024,7 +1059,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         engine.set_tracer(tracer)
     aengine = AsyncEngine(engine, max_queue=max_queue)
     name = served_model_name or Path(model).stem
-    app = build_app(aengine, ServerConfig(name, api_key, max_request_bytes=max_request_bytes), tracer, trace)
+    app = build_app(aengine, ServerConfig(name, api_key, max_request_bytes=max_request_bytes, model_path=model),
+                    tracer, trace)
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", model, name, host, port,
              engine.scheduler.config.max_model_len)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
