@@ -24,7 +24,9 @@ import hmac
 import json
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -332,6 +335,7 @@ def _sse_response(served, streams, rid: str, obj: str, model: str, body, head: l
             if held is not None:
                 yield _sse(held)
             yield _sse({"error": {"message": e.message, "type": e.type}})
+            yield b"data: [DONE]\n\n"
         finally:
             served.abort(streams)
 
@@ -736,7 +740,9 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
     @app.get("/health")
     async def health():
         if not aengine.is_alive:
-            raise APIError(503, "the engine is not running", "server_unavailable")
+            dead = aengine.dead
+            raise APIError(503, f"the engine stopped after an unrecoverable device error: {dead}" if dead else
+                           "the engine is not running", "server_unavailable")
         s = aengine.stats
         return {"status": "ok", "requests_in_flight": aengine.num_active, "requests_tracked": s["requests_tracked"],
                 "kv_pages_in_use": s["pages_in_use"]}
@@ -1037,40 +1043,100 @@ def check_output_path(path: str, what: str) -> None:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, trace: str | None = None, max_queue: int = 256,
-          log_level: str = "info", max_request_bytes: int = ServerConfig.max_request_bytes, **engine_kwargs) -> None:
+          log_level: str = "info", max_request_bytes: int = ServerConfig.max_request_bytes,
+          shutdown_timeout: float = 30.0, **engine_kwargs) -> None:
     """Load the model and serve until interrupted (the `uacompile serve` command). The port and the trace path
     are checked before the model loads; the socket bound then is the one served on."""
-    import uvicorn
-
     if trace:
         check_output_path(trace, "--trace")
+    check_shutdown_timeout(shutdown_timeout)
     sock = listen_socket(host, port)
 
     from .engine import Engine, EngineConfig
     from .llm import ENGINE_OPTIONS
-    from .trace import Tracer
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ec = EngineConfig(**{k: engine_kwargs.pop(k) for k in list(engine_kwargs) if k in ENGINE_OPTIONS})
     engine = Engine(model, ec, **engine_kwargs)
+    serve_engine(engine, sock, served_model_name or Path(model).stem, api_key=api_key, trace=trace,
+                 max_queue=max_queue, log_level=log_level, max_request_bytes=max_request_bytes,
+                 shutdown_timeout=shutdown_timeout, model_path=model)
+
+
+def check_shutdown_timeout(seconds) -> None:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {seconds!r}")
+
+
+class EngineFailed(RuntimeError):
+    """The engine stopped after an unrecoverable device error; the server shut down (exit non-zero)."""
+
+
+def serve_engine(engine, sock: socket.socket, name: str, api_key: str | None = None, trace: str | None = None,
+                 max_queue: int = 256, log_level: str = "info",
+                 max_request_bytes: int = ServerConfig.max_request_bytes, shutdown_timeout: float = 30.0,
+                 model_path: str | None = None) -> None:
+    """Serve a loaded engine on a bound socket until SIGINT / SIGTERM. On the signal the server stops accepting,
+    lets the requests in flight run for shutdown_timeout seconds, then ends them (a stream with an error event
+    and [DONE], a whole response with a 503) and returns. An unrecoverable device error ends every request with
+    its error, shuts the server down and raises EngineFailed."""
+    from .trace import Tracer
+
+    check_shutdown_timeout(shutdown_timeout)
     tracer = None
     if trace:
         tracer = Tracer()
         engine.set_tracer(tracer)
     aengine = AsyncEngine(engine, max_queue=max_queue)
-    name = served_model_name or Path(model).stem
-    app = build_app(aengine, ServerConfig(name, api_key, max_request_bytes=max_request_bytes, model_path=model),
+    app = build_app(aengine, ServerConfig(name, api_key, max_request_bytes=max_request_bytes, model_path=model_path),
                     tracer, trace)
-    log.info("serving %s as %r on http://%s:%d (max_model_len %d)", model, name, host, port,
-             engine.scheduler.config.max_model_len)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
-    server = uvicorn.Server(config)
+    host, port = sock.getsockname()[:2]
+    log.info("serving %s on http://%s:%d (max_model_len %d)", name, host, port, engine.scheduler.config.max_model_len)
+    config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=shutdown_timeout + 5)  # a backstop behind the drain below
+    server = _DrainingServer(config, aengine, shutdown_timeout)
+    aengine.on_dead = server.engine_died
+    # uvicorn raises the signal again once it has shut down: SIGINT as KeyboardInterrupt, SIGTERM into this
+    # handler (so a drained server exits cleanly)
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn raises the signal again once it has shut down
+    except KeyboardInterrupt:
         pass
     finally:
         sock.close()
+        if main:
+            signal.signal(signal.SIGTERM, before)
+    if aengine.dead is not None:
+        raise EngineFailed(f"the engine stopped after an unrecoverable device error: {aengine.dead}")
     if not server.started:
         raise RuntimeError("the server did not start (see the log above)")
 
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's Server, whose exit signal starts a drain: after `timeout` seconds the requests still in flight
+    are ended with an error. It also shuts down when the engine dies."""
+
+    def __init__(self, config, aengine: AsyncEngine, timeout: float):
+        super().__init__(config)
+        self.aengine, self.timeout, self.loop = aengine, timeout, None
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit and self.loop is not None:
+            log.info("shutting down: %d requests in flight get %.3g s to finish", self.aengine.num_active,
+                     self.timeout)
+            self.loop.call_soon_threadsafe(self.loop.call_later, self.timeout, self.drain_expired)
+        super().handle_exit(sig, frame)
+
+    def drain_expired(self) -> None:
+        if self.aengine.num_active:
+            log.warning("shutdown timeout: ending %d requests in flight", self.aengine.num_active)
+        self.aengine.fail_all(EngineDead("the server is shutting down (the drain timeout passed)"))
+
+    def engine_died(self, error) -> None:  # from the engine thread, once its requests have their error
+        self.should_exit = True
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
