@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from . import chat, server_llama
 from .async_engine import AsyncEngine, EngineDead, Overloaded, RequestStream, StreamEvent
 from .sequence import SamplingParams
+from .server_openapi import add_request_schemas
 
 log = logging.getLogger("uacompile.runtime.server")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -989,6 +990,9 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
         return final(text, text, got)
 
     server_llama.add_routes(app, served, cfg, protected, APIError)
+    add_request_schemas(app, {"/v1/completions": CompletionBody, "/v1/chat/completions": ChatBody,
+                              "/completion": LlamaCppBody, "/tokenize": TokenizeBody, "/detokenize": DetokenizeBody,
+                              "/apply-template": server_llama.ApplyTemplateBody})
     return app
 
 
