@@ -31,3 +31,24 @@ def add_request_schemas(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> Non
         return spec
 
     app.openapi = openapi
+
+
+def fuzz(url: str, cases: int) -> dict:
+    """schemathesis (the dev extra) over a running server's /openapi.json: `cases` generated requests across
+    every operation. Returns {"cases": run, "server_errors": [(method, path, status, body head), ...]}."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    seen = {"cases": 0, "server_errors": []}
+
+    @settings(max_examples=cases, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(case=schema.as_strategy())
+    def run(case):
+        seen["cases"] += 1
+        r = case.call(base_url=url, timeout=60)
+        if r.status_code >= 500:
+            seen["server_errors"].append((case.method, case.formatted_path, r.status_code, r.text[:200]))
+
+    run()
+    return seen

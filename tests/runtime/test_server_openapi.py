@@ -2,9 +2,9 @@
 it against the server on loopback, gets no 5xx from any route."""
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
 
 from server_helpers import running_server
+from uacompile.runtime.server_openapi import fuzz
 
 BODIES = {"/v1/completions": "CompletionBody", "/v1/chat/completions": "ChatBody", "/completion": "LlamaCppBody",
           "/tokenize": "TokenizeBody", "/detokenize": "DetokenizeBody", "/apply-template": "ApplyTemplateBody"}
@@ -27,26 +27,6 @@ def test_openapi_has_the_request_schemas(server):
         assert schemas[name]["additionalProperties"] is False  # unknown fields are refused
     assert "prompt" in schemas["CompletionBody"]["required"] and "messages" in schemas["ChatBody"]["required"]
     assert "StreamOptions" in schemas and "Message" in schemas
-
-
-def fuzz(url: str, cases: int) -> dict:
-    """Run `cases` schemathesis cases over every operation; {'cases', 'server_errors': [(method, path, status,
-    body)]}."""
-    import schemathesis
-
-    schema = schemathesis.openapi.from_url(url + "/openapi.json")
-    seen = {"cases": 0, "server_errors": []}
-
-    @settings(max_examples=cases, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    @given(case=schema.as_strategy())
-    def run(case):
-        seen["cases"] += 1
-        r = case.call(base_url=url, timeout=60)
-        if r.status_code >= 500:
-            seen["server_errors"].append((case.method, case.formatted_path, r.status_code, r.text[:200]))
-
-    run()
-    return seen
 
 
 def test_schemathesis_finds_no_5xx(server):
