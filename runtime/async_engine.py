@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from .engine import Engine
+from .faults import StepFailed, is_unrecoverable
 from .sampling import TokenLogprob
 from .sequence import SamplingParams
 from .tokenizer import IncrementalDecoder
@@ -36,7 +37,7 @@ class Overloaded(Exception):
 
 
 class EngineDead(RuntimeError):
-    """The engine thread stopped (shut down or crashed)."""
+    """The engine thread stopped (shut down, or the device failed for good)."""
 
 
 @dataclass
@@ -158,6 +159,8 @@ class AsyncEngine:
         self._live: dict[int, _Live] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self.dead: BaseException | None = None  # the unrecoverable error that stopped the engine
+        self.on_dead = None  # on_dead(error): called from the engine thread once its requests have their error
         self._thread = threading.Thread(target=self._run, name="uacompile-engine", daemon=True)
         self._publish_stats()
 
@@ -211,6 +214,18 @@ class AsyncEngine:
         if stream.request_id is not None and not stream.done:
             self._command(("abort", stream.request_id))
 
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in flight with `error` (a drain that timed out), freeing their pages."""
+        self._command(("fail_all", error))
+
+    async def inspect(self, fn):
+        """fn(engine)'s result, run on the engine thread between steps (a consistent read of its state)."""
+        if not self.is_alive:
+            raise EngineDead("the engine is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._command(("inspect", fn, fut))
+        return await asyncio.wrap_future(fut)
+
     def _command(self, cmd) -> None:
         self._cmds.put(cmd)
         self._wake.set()
@@ -231,16 +246,39 @@ class AsyncEngine:
                 continue
             try:
                 out = eng.run_step()
-            except Exception as e:  # a bug, not a bad request: fail what is in flight and keep serving
-                log.exception("engine step failed; aborting %d requests", len(self._live))
-                for rid in list(self._live):
-                    self._close(rid, error=e)
+            except Exception as e:
+                if is_unrecoverable(e):
+                    self._die(e)
+                    return
+                # a bug, not a bad request: fail the requests the step held and keep serving
+                rids = e.request_ids if isinstance(e, StepFailed) else list(self._live)
+                log.exception("engine step failed; failing %d requests", len(rids))
+                for rid in rids:
+                    if rid in self._live:
+                        self._close(rid, error=e)
+                self._publish_stats()
                 continue
             self._dispatch(out)
             self._publish_stats()
         for rid in list(self._live):
             self._close(rid, error=EngineDead("the server is shutting down"))
         self._drain()
+
+    def _die(self, e: BaseException) -> None:
+        """The device cannot be used again: every request gets the error, later calls EngineDead."""
+        e = e.cause if isinstance(e, StepFailed) else e
+        log.critical("unrecoverable device error; the engine stops: %s", e)
+        self.dead = e
+        self._stop = True
+        err = EngineDead(f"the engine stopped after an unrecoverable device error: {e}")
+        for rid in list(self._live):
+            self._close(rid, error=err)
+        self._drain()
+        if self.on_dead is not None:
+            try:
+                self.on_dead(e)
+            except Exception:
+                log.exception("on_dead callback failed")
 
     def _drain(self) -> None:
         while True:
@@ -267,6 +305,17 @@ class AsyncEngine:
                 self.counters["prompt_tokens"] += len(req.prompt_token_ids)
                 self._live[rid] = _Live(stream, self.engine.tokenizer, req.prompt_token_ids)
                 fut.set_result(rid)
+            elif cmd[0] == "fail_all":
+                for rid in list(self._live):
+                    self.engine.abort(rid)
+                    self._close(rid, error=cmd[1])
+            elif cmd[0] == "inspect":
+                _, fn, fut = cmd
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self.engine))
+                    except Exception as e:  # noqa: BLE001  (the caller's to handle)
+                        fut.set_exception(e)
             elif cmd[0] == "abort":
                 rid = cmd[1]
                 if rid in self._live:

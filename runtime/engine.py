@@ -19,6 +19,7 @@ import torch
 from uacompile import ir
 
 from .executor import Executor
+from .faults import StepFailed
 from .kernels import KernelOps, cuda_template_gap, make_backend
 from .loader import LoadedModel, load
 from . import memory
@@ -258,6 +259,7 @@ class Engine:
         self._ids = itertools.count()
         self.async_scheduling = ec.device == "cuda" if ec.async_scheduling is None else ec.async_scheduling
         self._inflight: InFlight | None = None
+        self.on_execute = None  # on_execute(batch): called before each batch runs (tests inject faults with it)
 
     # ---- construction ---------------------------------------------------------------------------
     @staticmethod
@@ -395,10 +397,25 @@ class Engine:
 
     def run_step(self) -> StepOutput:
         """One scheduler step; returns each sample's new tokens and the requests that finished (with async
-        scheduling, those of the step launched by the previous call)."""
+        scheduling, those of the step launched by the previous call). A step that raises aborts the requests
+        it held (the batch's and those of the step in flight), frees their pages and raises StepFailed naming
+        them; the others go on as if it had not run."""
+        held: list[Sequence] = []
+        try:
+            return self._run_step(held)
+        except Exception as e:
+            rids = sorted({self._seq_request[s.seq_id][0].request_id for s in held if s.seq_id in self._seq_request})
+            self._inflight = None
+            for rid in rids:
+                self.abort(rid)
+            raise StepFailed(e, rids) from e
+
+    def _run_step(self, held: list) -> StepOutput:
         tr = self.tracer
         with tr.span("step", "scheduler"):
             prev, self._inflight = self._inflight, None
+            if prev is not None:
+                held.extend(prev.pending.seqs)
             out = StepOutput()
             if prev is not None and prev.needs_history:
                 out, prev = self._commit(prev), None
@@ -411,8 +428,14 @@ class Engine:
                 return out
             if tr.enabled:
                 self._trace_kv(batch, self.scheduler.num_preemptions - preemptions)
+            held.extend(batch.seqs)
+            if batch.swap_out or batch.swap_in or batch.copies or batch.moves or batch.offload:
+                # page copies of other sequences ride on this step: should it fail, their KV is unknown
+                held.extend(s for r in self.requests.values() for s in r.seqs)
             launched = None
             if not batch.is_empty:
+                if self.on_execute is not None:
+                    self.on_execute(batch)
                 with tr.span("execute", "scheduler", seqs=len(batch.seqs), tokens=batch.num_tokens):
                     seqs, logits = self.executor.execute(batch, prev.pending.tokens if prev else None)
                 with tr.span("sample", "scheduler", seqs=len(seqs)):

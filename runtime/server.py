@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server over AsyncEngine (FastAPI + uvicorn).
 
 Routes: /v1/completions, /v1/chat/completions (both with SSE streaming), /v1/models, /health,
-/metrics (Prometheus, vLLM's metric names), llama.cpp's /completion, and /tokenize, /detokenize in vLLM's
+/metrics (Prometheus, vLLM's metric names), llama-server's /completion, /props, /slots and /apply-template
+(runtime/server_llama.py), and /tokenize, /detokenize in vLLM's
 shapes (which take llama-server's `content` / `add_special` / `with_pieces` too and answer with both servers'
 keys). Prompts are scored with echo + logprobs (max_tokens 0: the prompt alone) or vLLM's prompt_logprobs. A
 body field the server does not implement is a 400 that names it (`user` alone is accepted and ignored). Bad
@@ -23,7 +24,9 @@ import hmac
 import json
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -40,9 +44,10 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from . import chat, webui
+from . import chat, server_llama, webui
 from .async_engine import AsyncEngine, EngineDead, Overloaded, RequestStream, StreamEvent
 from .sequence import SamplingParams
+from .server_openapi import add_request_schemas
 
 log = logging.getLogger("uacompile.runtime.server")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -265,6 +270,7 @@ class ServerConfig:
     max_stop_strings: int = 32
     max_stop_chars: int = 256               # of one stop string
     max_prompt_chars: int | None = None     # default: max_model_len x the longest token's text x 2
+    model_path: str | None = None           # what /props reports
 
     def __post_init__(self):
         for name in ("max_n", "max_request_bytes", "max_json_depth", "max_stop_strings", "max_stop_chars"):
@@ -330,6 +336,7 @@ def _sse_response(served, streams, rid: str, obj: str, model: str, body, head: l
             if held is not None:
                 yield _sse(held)
             yield _sse({"error": {"message": e.message, "type": e.type}})
+            yield b"data: [DONE]\n\n"
         finally:
             served.abort(streams)
 
@@ -555,6 +562,13 @@ class _Served:
             raise APIError(400, str(e)) from None
         return streams
 
+    async def inspect(self, fn):
+        """fn(engine) on the engine thread (a consistent read of its state)."""
+        try:
+            return await self.aengine.inspect(fn)
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_unavailable") from None
+
     def abort(self, streams: list[RequestStream]) -> None:
         for s in streams:
             self.aengine.abort(s)
@@ -728,7 +742,9 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
     @app.get("/health")
     async def health():
         if not aengine.is_alive:
-            raise APIError(503, "the engine is not running", "server_unavailable")
+            dead = aengine.dead
+            raise APIError(503, f"the engine stopped after an unrecoverable device error: {dead}" if dead else
+                           "the engine is not running", "server_unavailable")
         s = aengine.stats
         return {"status": "ok", "requests_in_flight": aengine.num_active, "requests_tracked": s["requests_tracked"],
                 "kv_pages_in_use": s["pages_in_use"]}
@@ -901,7 +917,11 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
         ids = await served.encode(body.prompt)
         if body.n_probs < 0:
             raise APIError(400, f"n_probs must be >= 0, got {body.n_probs}", param="n_probs")
-        params = _params(max_tokens=served.max_tokens(None if body.n_predict < 0 else body.n_predict or 1,
+        if body.n_predict < -1:
+            raise APIError(400, f"n_predict must be -1 (until the context is full), 0 (the prompt only) or "
+                                f"more, got {body.n_predict}", param="n_predict")
+        no_output = body.n_predict == 0  # the prompt is evaluated (and cached); the one token sampled is dropped
+        params = _params(max_tokens=served.max_tokens(None if body.n_predict < 0 else max(body.n_predict, 1),
                                                       len(ids), None),
                          temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
                          min_p=body.min_p, repetition_penalty=body.repeat_penalty,
@@ -910,26 +930,43 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                          ignore_eos=body.ignore_eos, logprobs=body.n_probs or None)
         streams = await served.start([ids], params, 0)
         stream = streams[0]
+        out_ids: list[int] = []
+        text_of = served._text
 
-        def final(content: str) -> dict:
+        def probs(evs: list) -> dict:
+            return {"completion_probabilities": server_llama.completion_probabilities(
+                [lp for e in evs for lp in e.logprobs], served._text)} if body.n_probs and not no_output else {}
+
+        def final(content: str, shown: str, evs: list) -> dict:
+            """The last response: content (the whole text, or "" ending a stream), shown: all the text sent."""
             t = stream.timing
-            reason = stream.finish_reasons.get(0)
+            reason = "length" if no_output else stream.finish_reasons.get(0)
             d = t.as_dict()
-            n_out = t.num_output_tokens
-            return {"content": content, "stop": True, "model": cfg.model_name, "tokens_predicted": n_out,
-                    "tokens_evaluated": t.num_prompt_tokens, "stop_type": {"length": "limit"}.get(reason, reason),
+            n_out = 0 if no_output else t.num_output_tokens
+            kind = server_llama.stop_type(reason, out_ids[-1] if out_ids else None,
+                                          served.engine.model.cfg.eos_token_ids, body.ignore_eos)
+            word = ""
+            if kind == "word" and served.tokenizer is not None:
+                word = server_llama.stopping_word(served.tokenizer.decode_continuation(ids, out_ids), shown,
+                                                  body.stop)
+            return {"content": "" if no_output else content, "stop": True, "model": cfg.model_name,
+                    "tokens_predicted": n_out, "tokens_evaluated": t.num_prompt_tokens, "stop_type": kind,
+                    "stopping_word": word, **probs(evs),
                     "timings": {"prompt_n": t.num_prompt_tokens, "prompt_ms": d["ttft_ms"], "predicted_n": n_out,
                                 "predicted_per_token_ms": d["tpot_ms"], "predicted_ms": d["e2e_ms"],
                                 "predicted_per_second": (1e3 / d["tpot_ms"]) if d["tpot_ms"] else None}}
 
         if body.stream:
             async def events():
+                shown = []
                 try:
                     async for _, evs in served.merged(streams):
                         for e in evs:
-                            if e.text:
-                                yield _sse({"content": e.text, "tokens": e.token_ids, "stop": False})
-                    yield _sse(final(""))
+                            out_ids.extend(e.token_ids)
+                            if e.text and not no_output:
+                                shown.append(e.text)
+                                yield _sse({"content": e.text, "tokens": e.token_ids, "stop": False, **probs([e])})
+                    yield _sse(final("", "".join(shown), []))
                 except APIError as e:
                     yield _sse({"error": {"message": e.message, "type": e.type}})
                 finally:
@@ -939,16 +976,24 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
                                      background=BackgroundTask(served.abort, streams))
 
         async def collect():
-            parts = []
+            got = []
             try:
                 async for _, evs in served.merged(streams):
-                    parts.extend(e.text for e in evs)
+                    got.extend(evs)
+                    for e in evs:
+                        out_ids.extend(e.token_ids)
             finally:
                 served.abort(streams)
-            return "".join(parts)
+            return got
 
-        return final(await _until_disconnect(request, collect()))
+        got = await _until_disconnect(request, collect())
+        text = "".join(e.text for e in got)
+        return final(text, text, got)
 
+    server_llama.add_routes(app, served, cfg, protected, APIError)
+    add_request_schemas(app, {"/v1/completions": CompletionBody, "/v1/chat/completions": ChatBody,
+                              "/completion": LlamaCppBody, "/tokenize": TokenizeBody, "/detokenize": DetokenizeBody,
+                              "/apply-template": server_llama.ApplyTemplateBody})
     return app
 
 
@@ -1003,39 +1048,100 @@ def check_output_path(path: str, what: str) -> None:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, trace: str | None = None, max_queue: int = 256,
-          log_level: str = "info", max_request_bytes: int = ServerConfig.max_request_bytes, **engine_kwargs) -> None:
+          log_level: str = "info", max_request_bytes: int = ServerConfig.max_request_bytes,
+          shutdown_timeout: float = 30.0, **engine_kwargs) -> None:
     """Load the model and serve until interrupted (the `uacompile serve` command). The port and the trace path
     are checked before the model loads; the socket bound then is the one served on."""
-    import uvicorn
-
     if trace:
         check_output_path(trace, "--trace")
+    check_shutdown_timeout(shutdown_timeout)
     sock = listen_socket(host, port)
 
     from .engine import Engine, EngineConfig
     from .llm import ENGINE_OPTIONS
-    from .trace import Tracer
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ec = EngineConfig(**{k: engine_kwargs.pop(k) for k in list(engine_kwargs) if k in ENGINE_OPTIONS})
     engine = Engine(model, ec, **engine_kwargs)
+    serve_engine(engine, sock, served_model_name or Path(model).stem, api_key=api_key, trace=trace,
+                 max_queue=max_queue, log_level=log_level, max_request_bytes=max_request_bytes,
+                 shutdown_timeout=shutdown_timeout, model_path=model)
+
+
+def check_shutdown_timeout(seconds) -> None:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {seconds!r}")
+
+
+class EngineFailed(RuntimeError):
+    """The engine stopped after an unrecoverable device error; the server shut down (exit non-zero)."""
+
+
+def serve_engine(engine, sock: socket.socket, name: str, api_key: str | None = None, trace: str | None = None,
+                 max_queue: int = 256, log_level: str = "info",
+                 max_request_bytes: int = ServerConfig.max_request_bytes, shutdown_timeout: float = 30.0,
+                 model_path: str | None = None) -> None:
+    """Serve a loaded engine on a bound socket until SIGINT / SIGTERM. On the signal the server stops accepting,
+    lets the requests in flight run for shutdown_timeout seconds, then ends them (a stream with an error event
+    and [DONE], a whole response with a 503) and returns. An unrecoverable device error ends every request with
+    its error, shuts the server down and raises EngineFailed."""
+    from .trace import Tracer
+
+    check_shutdown_timeout(shutdown_timeout)
     tracer = None
     if trace:
         tracer = Tracer()
         engine.set_tracer(tracer)
     aengine = AsyncEngine(engine, max_queue=max_queue)
-    name = served_model_name or Path(model).stem
-    app = build_app(aengine, ServerConfig(name, api_key, max_request_bytes=max_request_bytes), tracer, trace)
-    log.info("serving %s as %r on http://%s:%d (max_model_len %d)", model, name, host, port,
-             engine.scheduler.config.max_model_len)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
-    server = uvicorn.Server(config)
+    app = build_app(aengine, ServerConfig(name, api_key, max_request_bytes=max_request_bytes, model_path=model_path),
+                    tracer, trace)
+    host, port = sock.getsockname()[:2]
+    log.info("serving %s on http://%s:%d (max_model_len %d)", name, host, port, engine.scheduler.config.max_model_len)
+    config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=shutdown_timeout + 5)  # a backstop behind the drain below
+    server = _DrainingServer(config, aengine, shutdown_timeout)
+    aengine.on_dead = server.engine_died
+    # uvicorn raises the signal again once it has shut down: SIGINT as KeyboardInterrupt, SIGTERM into this
+    # handler (so a drained server exits cleanly)
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn raises the signal again once it has shut down
+    except KeyboardInterrupt:
         pass
     finally:
         sock.close()
+        if main:
+            signal.signal(signal.SIGTERM, before)
+    if aengine.dead is not None:
+        raise EngineFailed(f"the engine stopped after an unrecoverable device error: {aengine.dead}")
     if not server.started:
         raise RuntimeError("the server did not start (see the log above)")
 
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's Server, whose exit signal starts a drain: after `timeout` seconds the requests still in flight
+    are ended with an error. It also shuts down when the engine dies."""
+
+    def __init__(self, config, aengine: AsyncEngine, timeout: float):
+        super().__init__(config)
+        self.aengine, self.timeout, self.loop = aengine, timeout, None
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit and self.loop is not None:
+            log.info("shutting down: %d requests in flight get %.3g s to finish", self.aengine.num_active,
+                     self.timeout)
+            self.loop.call_soon_threadsafe(self.loop.call_later, self.timeout, self.drain_expired)
+        super().handle_exit(sig, frame)
+
+    def drain_expired(self) -> None:
+        if self.aengine.num_active:
+            log.warning("shutdown timeout: ending %d requests in flight", self.aengine.num_active)
+        self.aengine.fail_all(EngineDead("the server is shutting down (the drain timeout passed)"))
+
+    def engine_died(self, error) -> None:  # from the engine thread, once its requests have their error
+        self.should_exit = True
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)

@@ -127,6 +127,43 @@ def test_debug_shows_the_traceback():
     assert r.returncode != 0 and "Traceback" in r.stderr
 
 
+@pytest.mark.parametrize("argv", [["tune", "--debug", "--db", "/etc/passwd/x.json", "--target", "cpu", "--preset",
+                                    "default"],
+                                   ["serve", "--debug", "--model", "/nonexistent.gguf"],
+                                   ["bench", "--debug", "serve", "--debug", "--help"]])
+def test_debug_is_accepted_after_every_subcommand(argv, capsys):
+    from uacompile.cli import main
+
+    if "--help" in argv:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+        return
+    with pytest.raises(Exception):  # --debug: the error itself, not one line
+        main(argv)
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--db", "README.md/tuning.json", "README.md is not a folder"),
+    ("--db", "docs", "docs is a folder"),
+    ("--report", "README.md", "README.md is not a folder"),
+    ("--report", "README.md/sub/dir", "README.md is not a folder"),
+])
+def test_tune_output_paths_are_checked_before_tuning(capsys, flag, value, needle):
+    from uacompile.cli import main
+
+    assert main(["tune", flag, value, "--target", "cpu", "--preset", "default"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and err.count("\n") == 0 and err.startswith("uacompile: error:")
+
+
+def test_serve_shutdown_timeout_is_checked_before_the_model_loads(capsys):
+    from uacompile.cli import main
+
+    assert main(["serve", "--model", "models/stories260K.gguf", "--port", "0", "--shutdown-timeout", "-1"]) == 2
+    assert "--shutdown-timeout must be" in capsys.readouterr().err
+
+
 def test_version_and_bare_command_list_the_commands(capsys):
     from uacompile import __version__
 

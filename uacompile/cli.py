@@ -191,6 +191,25 @@ def cmd_ops(args) -> int:
     return 0
 
 
+def _check_writable(flag: str, path: str, folder: bool) -> None:
+    """A path written later (after the work): its nearest existing ancestor must be a writable folder, and the
+    path itself, if it exists, a writable folder (folder=True) or file."""
+    p = Path(path)
+    if p.exists():
+        if p.is_dir() != folder:
+            raise UsageError(f"{flag} {path} is {'not a folder' if folder else 'a folder'}")
+        if not os.access(p, os.W_OK):
+            raise UsageError(f"{flag} {path} is not writable")
+        return
+    up = p.parent
+    while not up.exists():
+        up = up.parent
+    if not up.is_dir():
+        raise UsageError(f"{flag} {path}: {up} is not a folder")
+    if not os.access(up, os.W_OK):
+        raise UsageError(f"{flag} {path}: {up} is not writable")
+
+
 def cmd_tune(args) -> int:
     import logging
 
@@ -199,6 +218,10 @@ def cmd_tune(args) -> int:
     from .tunedb import TuningDB, parse_shapes
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.report:  # checked before any tuning runs
+        _check_writable("--report", args.report, folder=True)
+    if args.db and not (args.show or args.rerender):
+        _check_writable("--db", args.db, folder=False)
     if args.rerender:
         from .tune import read_report
 
@@ -303,12 +326,12 @@ def _preset_help() -> str:
     return "\n".join(lines)
 
 
-def _add_tune(sub) -> None:
+def _add_tune(sub, common) -> None:
     from .build import PRESETS
     from .ir import OPS
     from .tune_space import SPACES
 
-    t = sub.add_parser("tune", help="search a target's run configs per shape; record the winners in the tuning database")
+    t = sub.add_parser("tune", parents=[common], help="search a target's run configs per shape; record the winners in the tuning database")
     what = t.add_mutually_exclusive_group()
     what.add_argument("--preset", choices=sorted(PRESETS), help="the preset's ops that the target tunes")
     what.add_argument("--op", choices=sorted(OPS), help="one op (the default preset's, with --set fields)")
@@ -332,8 +355,8 @@ def _add_tune(sub) -> None:
     t.set_defaults(func=cmd_tune)
 
 
-def _add_serve(sub) -> None:
-    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+def _add_serve(sub, common) -> None:
+    s = sub.add_parser("serve", parents=[common], help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument("--model", required=True, help="a .gguf file or a Hugging Face directory")
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default: cpu)")
     s.add_argument("--host", default="127.0.0.1", help="default: loopback only")
@@ -367,18 +390,21 @@ def _add_serve(sub) -> None:
                    help="requests accepted beyond --max-num-seqs before answering 503")
     s.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                    help="longest request body; a longer one gets 413 (default: 4 MiB)")
+    s.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
+                   help="on SIGTERM / SIGINT, seconds the requests in flight get to finish before they are ended "
+                        "with an error (default: 30)")
     s.add_argument("--trace", default=None, metavar="FILE",
                    help="write a Chrome-trace JSON of steps, kernel calls and KV events (the first 500k) at shutdown")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging level (default: info)")
     s.set_defaults(func=cmd_serve)
 
 
-def _add_bench(sub) -> None:
+def _add_bench(sub, common) -> None:
     from .bench_serve import add_arguments
 
-    b = sub.add_parser("bench", help="benchmarks")
+    b = sub.add_parser("bench", parents=[common], help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True, parser_class=_Parser, metavar="BENCH", help="one of:")
-    s = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (like `vllm bench serve`)")
+    s = bsub.add_parser("serve", parents=[common], help="load-test an OpenAI-compatible server (like `vllm bench serve`)")
     add_arguments(s)
     s.set_defaults(func=cmd_bench_serve)
 
@@ -409,7 +435,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="add the tuned configs' kernels of this database (default: the user cache's, if any)")
     b.add_argument("--no-tuned", action="store_true", help="build the built-in rules' kernels only")
     b.set_defaults(func=cmd_build)
-    _add_tune(sub)
+    _add_tune(sub, common)
     g = sub.add_parser("generate", parents=[common], help="print or write one kernel's source (runs no compiler)")
     g.add_argument("--op", required=True, choices=sorted(OPS), help="the op (see `uacompile ops`)")
     g.add_argument("--target", required=True, choices=TARGETS, help="cpu (TVM TIR), cuda or ascend (AscendC)")
@@ -425,8 +451,8 @@ def make_parser() -> argparse.ArgumentParser:
     o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="op field, as for generate")
     o.add_argument("--markdown", action="store_true", help="print docs/OPS.md")
     o.set_defaults(func=cmd_ops)
-    _add_serve(sub)
-    _add_bench(sub)
+    _add_serve(sub, common)
+    _add_bench(sub, common)
     return p
 
 
