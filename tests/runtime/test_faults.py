@@ -168,25 +168,33 @@ def test_sigterm_drains_then_ends_streams_with_an_error_and_exits_cleanly(tmp_pa
         url = _port(proc, port_file)
         results = {}
 
+        import threading
+
+        started = {"long": threading.Event(), "short": threading.Event()}
+
         def stream(name, max_tokens):
             with httpx.stream("POST", url + "/v1/completions", timeout=60,
                               json={"prompt": "One day", "max_tokens": max_tokens, "stream": True,
                                     "ignore_eos": True}) as s:
-                results[name] = sse_events(s.iter_lines())
+                def lines():  # the first line says the server admitted the request
+                    for line in s.iter_lines():
+                        started[name].set()
+                        yield line
+                results[name] = sse_events(lines())
+            started[name].set()
 
         def whole():
             results["whole"] = httpx.post(url + "/v1/completions", timeout=60,
                                           json={"prompt": "One day", "max_tokens": 400, "ignore_eos": True})
 
-        import threading
-
         threads = [threading.Thread(target=stream, args=("long", 400)), threading.Thread(target=whole)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
+        assert started["long"].wait(30)
+        time.sleep(0.2)  # the whole request is in too
         threads.append(threading.Thread(target=stream, args=("short", 3)))
         threads[-1].start()
-        time.sleep(0.1)
+        assert started["short"].wait(30)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         for t in threads:
