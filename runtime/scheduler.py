@@ -11,6 +11,15 @@ pages are freed at once (preemption "offload" is recompute preemption with the t
 sequence whose prefix continues in the tier past the GPU prefix cache is restored from it (RESTORING, not scheduled
 until its copy is done) instead of recomputed. Compaction runs at the start of a step when fragmentation
 (KVManager.fragmentation) reaches compact_threshold with at least compact_min_holes holes, and no copy is in flight.
+
+KV eviction within a budget (a request's SamplingParams.kv_budget, else kv_budget here): the step in which a
+sequence's chunk reaches the end of its prompt with more than its budget cached, or a later step that takes its cache
+past budget + kv_slack, scores its cached tokens (batch.score: the executor runs the kv_score op over a window of
+the chunk's last kv_window queries, every layer, and picks per layer and KV head the kv_sink first tokens, the
+kv_recent last and the top-scored rest up to the budget); the next step gathers the kept tokens into fresh pages
+before anything else (batch.evictions, KVManager.evict) and frees the old ones. Fail-closed: a budget below
+kv_sink + kv_recent (the recent window would be dropped) never evicts, and an eviction whose pages are not free
+keeps the full cache; shared pages are only read.
 """
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ from .offload import OffloadPlan, OffloadTier
 from .sequence import Sequence, SequenceStatus
 
 POLICIES = ("fcfs", "sjf", "priority", "prefix")
+EVICT_METHODS = ("andpro", "attention", "value_norm")  # ir.SCORE_METHODS
 PREEMPTION_MODES = ("recompute", "swap", "offload")
 _child_ids = itertools.count(1 << 40)
 log = logging.getLogger(__name__)  # ids for forked children, far from the engine's own counter
@@ -46,6 +56,12 @@ class SchedulerConfig:
     offload_pages_per_step: int = 64    # most pages a step saves
     compact_threshold: float | None = 0.5  # fragmentation that triggers compaction (None: never)
     compact_min_holes: int = 64         # ... with at least this many holes
+    kv_budget: int | float | None = None  # KV eviction default for requests that set none (SamplingParams.kv_budget)
+    kv_evict_method: str = "andpro"     # andpro | attention | value_norm: the kv_score op's method
+    kv_sink: int = 4                    # first tokens eviction always keeps (attention sinks)
+    kv_recent: int = 32                 # last tokens eviction always keeps
+    kv_window: int = 32                 # observation window: the last queries of the chunk that scores
+    kv_slack: int = 64                  # a decoding sequence is evicted again past budget + slack tokens
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "num_pages", "page_size"):
@@ -76,12 +92,34 @@ class SchedulerConfig:
         t = self.compact_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1):
             raise ValueError(f"compact_threshold must be a number in (0, 1] or None, got {t!r}")
+        b = self.kv_budget
+        if b is not None and not ((isinstance(b, int) and not isinstance(b, bool) and b >= 1)
+                                  or (isinstance(b, float) and 0 < b <= 1)):
+            raise ValueError(f"kv_budget must be an int >= 1 (tokens), a float in (0, 1] (a share of the prompt) "
+                             f"or None, got {b!r}")
+        if self.kv_evict_method not in EVICT_METHODS:
+            raise ValueError(f"kv_evict_method must be one of {EVICT_METHODS}, got {self.kv_evict_method!r}")
+        for name, lo in (("kv_sink", 0), ("kv_recent", 1), ("kv_window", 1), ("kv_slack", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         capacity = self.num_pages * self.page_size
         if self.max_model_len is None:
             self.max_model_len = capacity
         elif not isinstance(self.max_model_len, int) or not 1 <= self.max_model_len <= capacity:
             raise ValueError(f"max_model_len must be in [1, num_pages * page_size = {capacity}], "
                              f"got {self.max_model_len!r}")
+
+
+@dataclass
+class Eviction:
+    """A sequence's kept tokens moving into fresh pages: the executor gathers the `keep` tokens its last scores chose
+    (per layer and KV head) from old_pages into new_pages, slots 0 .. keep - 1."""
+
+    seq_id: int
+    old_pages: list[int]
+    new_pages: list[int]
+    keep: int
 
 
 @dataclass
@@ -95,6 +133,8 @@ class ScheduledBatch:
     sample: list[bool] = field(default_factory=list)  # seq i reaches its last token: sample one
     moves: list[tuple[int, int]] = field(default_factory=list)     # compaction (src page, dst page), run first
     offload: OffloadPlan = field(default_factory=OffloadPlan)      # copies to and from the CPU offload tier
+    evictions: list[Eviction] = field(default_factory=list)        # kept tokens gathered first (after moves)
+    score: list[tuple[int, int]] = field(default_factory=list)     # (row i, budget): score seqs[i]'s cache
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +142,8 @@ class ScheduledBatch:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.seqs or self.swap_out or self.swap_in or self.copies or self.moves or self.offload)
+        return not (self.seqs or self.swap_out or self.swap_in or self.copies or self.moves or self.offload
+                    or self.evictions)
 
 
 class Scheduler:
@@ -122,6 +163,10 @@ class Scheduler:
         self.pages_compacted = 0
         self.recomputed_tokens = 0  # tokens computed again after a recompute preemption
         self.lost: dict[int, int] = {}  # seq_id -> tokens it had computed when preempted by recompute
+        self.to_evict: list[tuple[Sequence, int]] = []  # scored in the last step: (sequence, tokens to keep)
+        self.num_evictions = 0
+        self.evicted_tokens = 0
+        self.evictions_refused = 0  # evictions that kept the full cache (pages short)
 
     # ---- requests -------------------------------------------------------------------------------
     def _all(self):
@@ -162,7 +207,8 @@ class Scheduler:
         return children
 
     def _adopt_prompt(self, parent: Sequence, child: Sequence) -> None:
-        if parent.status is SequenceStatus.RUNNING and parent.num_computed_tokens >= child.num_prompt_tokens:
+        if (parent.status is SequenceStatus.RUNNING and parent.num_computed_tokens >= child.num_prompt_tokens
+                and not parent.num_evicted):
             self.kv.fork(parent, child, self.kv.pages_for(child.num_prompt_tokens))
             child.num_computed_tokens = child.num_prompt_tokens - 1
             child.status = SequenceStatus.RUNNING
@@ -233,7 +279,8 @@ class Scheduler:
         budget = c.max_num_batched_tokens
         if self.tier is not None:
             self._restored(self.tier.poll(kv))
-        batch.moves = self._maybe_compact()
+        batch.evictions = self._plan_evictions()
+        batch.moves = [] if batch.evictions else self._maybe_compact()  # compaction would rename the old pages
         restoring = []  # sequences this step starts restoring
 
         def take(seq, num_new, copies):
@@ -243,6 +290,9 @@ class Scheduler:
             batch.sample.append(seq.num_computed_tokens + num_new == seq.num_tokens)
             batch.copies.extend(copies)
             budget -= num_new
+            keep = self._eviction_budget(seq, num_new)
+            if keep is not None:
+                batch.score.append((len(batch.seqs) - 1, keep))
 
         # 1. running sequences, decodes first
         decode_first = sorted(self.running, key=lambda s: (s.num_computed_tokens < s.num_prompt_tokens,
@@ -324,6 +374,39 @@ class Scheduler:
                 return self.schedule()
         return batch
 
+    def _eviction_budget(self, seq: Sequence, num_new: int) -> int | None:
+        """The tokens seq keeps if this step's chunk should score its cache, else None: the chunk reaches the end
+        of the prompt with more than the budget cached, or takes the cache past budget + kv_slack. A budget below
+        kv_sink + kv_recent would drop the recent window: never."""
+        c = self.config
+        b = seq.params.budget_tokens(seq.num_prompt_tokens, c.kv_budget)
+        if b is None or b < c.kv_sink + c.kv_recent:
+            return None
+        after = seq.kv_len + num_new
+        ends_prompt = seq.num_computed_tokens < seq.num_prompt_tokens <= seq.num_computed_tokens + num_new
+        return b if after > b + (0 if ends_prompt else c.kv_slack) else None
+
+    def _plan_evictions(self) -> list[Eviction]:
+        """The evictions the last step scored, for sequences still running (KVManager.evict; pages short: the
+        sequence keeps its full cache)."""
+        plans, todo, self.to_evict = [], self.to_evict, []
+        for seq, keep in todo:
+            if seq.status is not SequenceStatus.RUNNING or keep >= seq.kv_len:
+                continue
+            before = seq.kv_len
+            pages = self.kv.evict(seq, keep)
+            if pages is None:
+                self.evictions_refused += 1
+                log.info("eviction of sequence %d skipped: %d pages for its %d kept tokens are not free; it keeps "
+                         "its full cache", seq.seq_id, self.kv.pages_for(keep), keep)
+                continue
+            plans.append(Eviction(seq.seq_id, pages[0], pages[1], keep))
+            self.num_evictions += 1
+            self.evicted_tokens += before - keep
+            log.debug("evicting sequence %d: %d of %d cached tokens kept, %d -> %d pages", seq.seq_id, keep, before,
+                      len(pages[0]), len(pages[1]))
+        return plans
+
     def _num_active(self) -> int:
         return len(self.running) + len(self.restoring)
 
@@ -388,7 +471,7 @@ class Scheduler:
                 self.tier.touch(self.kv.computed_page_hashes(seq))
             self.kv.free(seq)
             self.lost[seq.seq_id] = seq.num_computed_tokens
-            seq.num_computed_tokens = 0
+            seq.num_computed_tokens = seq.num_evicted = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.append(seq)
 
@@ -397,6 +480,7 @@ class Scheduler:
         sequences that hit max_tokens (reason "length"). Returns the sequences finished here."""
         self.kv.end_step()
         finished = []
+        self.to_evict = [(batch.seqs[i], keep) for i, keep in batch.score]
         for seq, num_new, wants_sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between schedule and update
@@ -444,4 +528,6 @@ class Scheduler:
                 "offload_pages_not_ready": tier.pages_not_ready if tier else 0,
                 "offload_pages_used": self.tier.num_used if tier else 0,
                 "num_compactions": self.num_compactions, "pages_compacted": self.pages_compacted,
+                "num_evictions": self.num_evictions, "evicted_tokens": self.evicted_tokens,
+                "evictions_refused": self.evictions_refused,
                 "fragmentation": self.fragmentation[0]}
