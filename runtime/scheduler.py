@@ -12,6 +12,13 @@ sequence whose prefix continues in the tier past the GPU prefix cache is restore
 until its copy is done) instead of recomputed. Compaction runs at the start of a step when fragmentation
 (KVManager.fragmentation) reaches compact_threshold with at least compact_min_holes holes, and no copy is in flight.
 
+Policies order the waiting queue: fcfs by arrival; sjf by the expected remaining work (remaining_work: prompt left
+plus the outputs max_tokens allows); priority by priority (lower number first), and a waiting request that cannot
+get pages preempts the least important running sequence less important than itself; prefix groups requests (each
+group at its oldest member's place): those whose first page is equal (a shared cached prefix, the followers
+deferred while it is computed), the others by length class (the power of two of prompt + max_tokens), so requests
+of similar length run and finish together.
+
 KV eviction within a budget (a request's SamplingParams.kv_budget, else kv_budget here): the step in which a
 sequence's chunk reaches the end of its prompt with more than its budget cached, or a later step that takes its cache
 past budget + kv_slack, scores its cached tokens (batch.score: the executor runs the kv_score op over a window of
@@ -243,9 +250,14 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped or self.restoring or any(self.parked.values()))
 
     # ---- ordering -------------------------------------------------------------------------------
+    @staticmethod
+    def remaining_work(seq: Sequence) -> int:
+        """SJF's rank: the tokens a sequence still has to compute, prompt left plus the outputs max_tokens allows."""
+        return seq.num_tokens - seq.num_computed_tokens + seq.params.max_tokens - seq.num_output_tokens
+
     def _key(self, seq: Sequence):
         if self.config.policy == "sjf":
-            return (seq.num_tokens - seq.num_computed_tokens, seq.arrival_time, seq.seq_id)
+            return (self.remaining_work(seq), seq.arrival_time, seq.seq_id)
         if self.config.policy == "priority":
             return (seq.priority, seq.arrival_time, seq.seq_id)
         return (seq.arrival_time, seq.seq_id)
@@ -258,11 +270,20 @@ class Scheduler:
         first = {}
         for s in seqs:
             first.setdefault(self._group(s), self._key(s))
-        return sorted(seqs, key=lambda s: (first[self._group(s)], self._group(s) is None, self._key(s)))
+        return sorted(seqs, key=lambda s: (first[self._group(s)], not self._shares_prefix(self._group(s)), self._key(s)))
 
     def _group(self, seq: Sequence):
+        """The prefix policy's group: requests whose first page is equal share a cached prefix; the others group
+        by length class, the power of two of prompt + max_tokens (a bucket per class), so requests of similar
+        length run together and finish together instead of one long request holding pages that preempt the rest."""
         P = self.config.page_size
-        return tuple(seq.token_ids[:P]) if seq.num_prompt_tokens > P else None
+        if seq.num_prompt_tokens > P:
+            return tuple(seq.token_ids[:P])
+        return ("length", (seq.num_prompt_tokens + seq.params.max_tokens).bit_length())
+
+    @staticmethod
+    def _shares_prefix(group) -> bool:
+        return group is not None and group[:1] != ("length",)
 
     @staticmethod
     def _victim_key(seq: Sequence):
@@ -294,6 +315,8 @@ class Scheduler:
             if keep is not None:
                 batch.score.append((len(batch.seqs) - 1, keep))
 
+        room_made = self._make_room_for_priority(batch)
+
         # 1. running sequences, decodes first
         decode_first = sorted(self.running, key=lambda s: (s.num_computed_tokens < s.num_prompt_tokens,
                                                            self._key(s)))
@@ -314,7 +337,7 @@ class Scheduler:
                 take(seq, num_new, copies)
 
         # 2. swapped sequences come back before any new prefill
-        while self.swapped and not preempted and budget and self._num_active() < c.max_num_seqs:
+        while self.swapped and not preempted and not room_made and budget and self._num_active() < c.max_num_seqs:
             seq = min(self.swapped, key=self._key)
             mapping = kv.swap_in(seq)
             if mapping is None:
@@ -329,13 +352,13 @@ class Scheduler:
                 take(seq, num_new, copies)
 
         # 3. new (or recompute-preempted) requests
-        if self.waiting and not self.swapped and not preempted:
+        if self.waiting and (not self.swapped or room_made) and not preempted:
             prefilling = {self._group(s) for s in self.running if s.num_computed_tokens < s.num_prompt_tokens}
             for seq in self.ordered_waiting():
                 if budget == 0 or self._num_active() >= c.max_num_seqs or len(batch.seqs) >= c.max_num_seqs:
                     break
                 group = self._group(seq)
-                if c.policy == "prefix" and group is not None and group in prefilling:
+                if c.policy == "prefix" and self._shares_prefix(group) and group in prefilling:
                     continue  # its shared prefix is being computed: join next step and hit the cache
                 # a request for prompt log-probabilities computes its whole prompt: no cached prefix
                 prefix = kv.match_prefix(seq) if seq.params.prompt_logprobs is None else []
@@ -406,6 +429,25 @@ class Scheduler:
             log.debug("evicting sequence %d: %d of %d cached tokens kept, %d -> %d pages", seq.seq_id, keep, before,
                       len(pages[0]), len(pages[1]))
         return plans
+
+    def _make_room_for_priority(self, batch: ScheduledBatch) -> bool:
+        """priority: while the most important waiting request would not get pages for its first chunk (beside a
+        page for each running decode that fills its last one), preempt the least important running sequence less
+        important than it. Returns whether it preempted."""
+        c, kv = self.config, self.kv
+        if c.policy != "priority" or not self.waiting:
+            return False
+        head = min(self.waiting, key=self._key)
+        need = kv.pages_for(min(head.num_tokens, c.max_prefill_chunk, c.max_num_batched_tokens))
+        need -= len(kv.match_prefix(head))
+        done = False
+        while True:
+            decodes = sum(1 for s in self.running if s.kv_len % c.page_size == 0)
+            cands = [s for s in self.running if s.priority > head.priority]
+            if kv.num_free_pages >= need + decodes or not cands:
+                return done
+            self._preempt(self._victim(cands), batch)
+            done = True
 
     def _num_active(self) -> int:
         return len(self.running) + len(self.restoring)

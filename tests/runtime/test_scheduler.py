@@ -605,3 +605,42 @@ def test_eviction_reads_shared_prefix_pages_and_leaves_them_cached():
     assert c.num_cached_tokens == 24
     while sched.has_unfinished():
         step(sched, ex)
+
+
+# ---- policies under memory pressure -------------------------------------------------------------------
+def test_sjf_ranks_by_expected_remaining_work():
+    cfg = SchedulerConfig(policy="sjf", max_num_batched_tokens=64, max_num_seqs=1, num_pages=64, page_size=4)
+    sched = Scheduler(cfg)
+    sched.add(seq(0, 3, max_tokens=100, arrival=0))  # short prompt, long answer: 103 tokens of work
+    sched.add(seq(1, 10, max_tokens=2, arrival=1))   # 12
+    sched.add(seq(2, 6, max_tokens=30, arrival=2))   # 36
+    assert [s.seq_id for s in sched.ordered_waiting()] == [1, 2, 0]
+    assert Scheduler.remaining_work(sched.waiting[0]) == 103
+
+
+def test_priority_preempts_a_running_lower_priority_sequence_for_a_waiting_higher_one():
+    cfg = SchedulerConfig(policy="priority", max_num_batched_tokens=64, num_pages=6, page_size=4)
+    sched, ex = Scheduler(cfg), FakeExecutor(cfg)
+    low = seq(0, 16, max_tokens=9, priority=5, arrival=0)
+    sched.add(low)
+    step(sched, ex)
+    assert low.status is SequenceStatus.RUNNING and sched.kv.num_free_pages == 2  # high needs 3
+    high = seq(1, 12, max_tokens=3, priority=0, arrival=1)
+    sched.add(high)
+    batch, _ = step(sched, ex)
+    assert [s.seq_id for s in batch.seqs] == [1] and low.status is SequenceStatus.WAITING
+    assert low.num_preemptions == 1 and high.num_preemptions == 0
+    same = seq(2, 12, max_tokens=3, priority=5, arrival=2)  # equal priority never preempts
+    sched.add(same)
+    while high.status is SequenceStatus.RUNNING:
+        step(sched, ex)
+    assert same.num_preemptions == 0 and sched.num_preemptions == 1
+
+
+def test_prefix_policy_groups_short_requests_by_length_class():
+    cfg = SchedulerConfig(policy="prefix", max_num_batched_tokens=64, num_pages=64, page_size=8)
+    sched = Scheduler(cfg)
+    lengths = [(3, 4), (2, 100), (4, 3), (3, 120), (5, 2)]  # (prompt, max_tokens): classes 3, 7, 3, 7, 3
+    for i, (n, m) in enumerate(lengths):
+        sched.add(seq(i, n, max_tokens=m, arrival=i))
+    assert [s.seq_id for s in sched.ordered_waiting()] == [0, 2, 4, 1, 3]
