@@ -62,7 +62,7 @@ class CpuDecodeProgram:
         copy-on-write, offload copies: Executor.run_cache_ops runs them), the backend running the
         model's layer ops and not wrapped (a tracer's TracedKernels sees every call)."""
         if (not self.enabled or len(batch.seqs) != 1 or batch.moves or batch.swap_out or batch.swap_in or batch.copies
-                or batch.offload):
+                or batch.offload or batch.evictions or batch.score):
             return False
         seq = batch.seqs[0]
         pos = seq.num_computed_tokens
@@ -75,14 +75,15 @@ class CpuDecodeProgram:
         runs it the ordinary way; recording is then off for good)."""
         seq = batch.seqs[0]
         pos, P, table = seq.num_computed_tokens, self.ex.page_size, seq.block_table
+        c = pos - seq.num_evicted  # its cache slot
         if table != self._written:
             self._table[0, :len(table)] = table
             self._table[0, len(table):] = -1
             self._written = list(table)
         self._ids[0] = seq.token_ids[pos]
         self._pos[0] = pos
-        self._len[0] = pos + 1
-        self._slot[0] = table[pos // P] * P + pos % P
+        self._len[0] = c + 1
+        self._slot[0] = table[c // P] * P + c % P
         plan = self.plans.get(len(table), self)  # (self: not planned yet; a plan may be None)
         if plan is self:
             plan = self.plans[len(table)] = self.backend.plan_step(1, 1, len(table) * P)

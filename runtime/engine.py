@@ -217,7 +217,8 @@ class Engine:
         self.kv_dtype = kv_dtype_of(ec.kv_cache_dtype, self.dtype)  # a bad pairing fails before the weights load
         page_size = scheduler_kwargs.get("page_size") or SchedulerConfig.page_size
         ops = KernelOps.for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size, self.dtype,
-                                  cfg.sliding_window, ec.attention_variant, self.kv_dtype)
+                                  cfg.sliding_window, ec.attention_variant, self.kv_dtype,
+                                  scheduler_kwargs.get("kv_evict_method") or SchedulerConfig.kv_evict_method)
         self.kernels = make_backend(ec.kernel_backend, ops, ec.device, ec.kernel_dir)
         if ec.cpu_threads is not None:
             self.kernels.set_threads(ec.cpu_threads)
@@ -242,7 +243,9 @@ class Engine:
         log.info("kernels ready in %.2f s (%s backend; %d prepared, %d libraries from the cache)",
                  time.perf_counter() - t0, self.kernels.name, built["kernels"], built["cached"])
         self.executor = Executor(self.model, self.kernels, sc.num_pages, sc.num_cpu_pages, sc.page_size, ec.device,
-                                 sc.num_offload_pages)
+                                 sc.num_offload_pages, sc.kv_window, sc.kv_sink, sc.kv_recent)
+        if sc.kv_budget is not None:
+            self.check_eviction()
         page_bytes = self._page_bytes(cfg, sc.page_size)
         log.info("KV cache: %d pages of %d tokens (%d tokens) in %s%s, %.4g GB on %s; swap pool %d pages (%.4g GB); "
                  "offload tier %d pages (%.4g GB); max_model_len %d", sc.num_pages, sc.page_size,
@@ -260,6 +263,18 @@ class Engine:
         self.async_scheduling = ec.device == "cuda" if ec.async_scheduling is None else ec.async_scheduling
         self._inflight: InFlight | None = None
         self.on_execute = None  # on_execute(batch): called before each batch runs (tests inject faults with it)
+
+    def check_eviction(self) -> None:
+        """ValueError (one line) where KV eviction (a kv_budget) cannot run on this engine."""
+        why = None
+        if self.model.cfg.sliding_window:
+            why = "the model has a sliding window (cache slots are not positions after eviction)"
+        elif self.kernels.ops.score is None:
+            why = f"the KV cache is {self.kernels.ops.kv_dtype} (kv_score reads a float cache)"
+        elif self.kernels.name == "tvm-cuda":
+            why = "the tvm-cuda backend has no kv_score kernel (use the cuda backend)"
+        if why:
+            raise ValueError(f"kv_budget: KV eviction is not available here: {why}")
 
     # ---- construction ---------------------------------------------------------------------------
     @staticmethod
@@ -359,6 +374,8 @@ class Engine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self.encode_prompt(prompt)
         params.check_vocab(self.model.cfg.vocab_size)
+        if params.kv_budget is not None:
+            self.check_eviction()
         rid = next(self._ids)
         req = Request(rid, text, ids, params)
         seq = Sequence(rid, list(ids), len(ids), params, priority=priority)

@@ -15,10 +15,17 @@ ids that step n is still sampling are coded -1 - j in the sequences and read fro
 a sequence) replay a CUDA graph captured at start-up for their batch-size bucket and page-table width
 (graphs.py); prefill and mixed steps run eagerly. On the tvm-cpu backend, a lone sequence's decode steps replay
 the kernel calls of one recorded forward (cpu_decode.py).
+
+KV eviction: a batch's score rows (ScheduledBatch.score) run the kv_score op every layer, after that layer's
+attention, over the last kv_window queries of each scored chunk; after the forward each scored sequence's tokens to
+keep are chosen per layer and KV head on the device (the kv_sink first and kv_recent last tokens, then the highest
+scores, in cache order) and held until the next step, whose batch.evictions gathers them into the new pages with one
+gather_tokens launch before any other cache op (compaction aside, which such a step does not plan).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,13 +40,29 @@ from .offload import OffloadPlan, StreamCopies, SyncCopies
 from .sampling import TokenLogprob
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-from .step import Staging, StepInputs, device_step, fill_pending, host_step
+from .step import HostStep, Staging, StepInputs, device_step, fill_pending, host_step
+
+
+@dataclass
+class ScoreInputs:
+    """One step's kv_score launches: the scored sequences' window queries (rows of the step's q), their cache."""
+
+    rows: torch.Tensor          # [NQ] int64: the window queries' rows of the step's tokens
+    query_seq: torch.Tensor     # [NQ] int32: which scored sequence each belongs to
+    query_kv_len: torch.Tensor  # [NQ] int32
+    page_table: torch.Tensor    # [Se, max_pages] int32
+    kv_len: torch.Tensor        # [Se] int32
+    scores: torch.Tensor        # [num_layers, Se, Hkv, max_kv_len] float32
+    seqs: list[tuple[int, int, int]]  # (seq_id, tokens to keep, kv_len) of each scored sequence
 
 
 class Executor:
     def __init__(self, model: LlamaForCausalLM, kernels: KernelBackend, num_pages: int, num_cpu_pages: int,
-                 page_size: int, device: str, num_offload_pages: int = 0):
+                 page_size: int, device: str, num_offload_pages: int = 0, kv_window: int = 32, kv_sink: int = 4,
+                 kv_recent: int = 32):
         cfg = model.cfg
+        self.kv_window, self.kv_sink, self.kv_recent = kv_window, kv_sink, kv_recent
+        self.keep: dict[int, torch.Tensor] = {}  # seq_id -> [num_layers, Hkv, keep] int64: the last scores' choice
         self.model, self.kernels, self.page_size, self.device = model, kernels, page_size, device
         dtype = ir.torch_dtype(kernels.ops.kv_dtype)
         spare = 4 // math.gcd(page_size * cfg.num_kv_heads, 4)
@@ -87,6 +110,9 @@ class Executor:
         copy-on-write may reuse; the offload copies start after all of them (on their own stream on CUDA)."""
         if batch.moves:
             self.kernels.copy_blocks(kv=self.kv, mapping=self._mapping("moves", batch.moves), scales=self.scales)
+        if batch.evictions:
+            self._gather(batch)
+        self.keep.clear()  # a choice not evicted in the step after its scores is stale
         if batch.swap_out:
             self.kernels.swap_blocks(src=self.kv, dst=self.cpu_kv, mapping=self._mapping("swap_out", batch.swap_out),
                                      src_scales=self.scales, dst_scales=self.cpu_scales)
@@ -97,6 +123,47 @@ class Executor:
             self.kernels.copy_blocks(kv=self.kv, mapping=self._mapping("copies", batch.copies), scales=self.scales)
         if batch.offload:
             self.launch_offload(batch.offload)
+
+    def _gather(self, batch: ScheduledBatch) -> None:
+        """The kept tokens of every eviction into their new pages: one gather_tokens launch."""
+        P, dev, srcs, dsts = self.page_size, self.kv.device, [], []
+        for ev in batch.evictions:
+            idx = self.keep.get(ev.seq_id)
+            if idx is None or idx.shape[-1] != ev.keep:
+                raise RuntimeError(f"eviction of sequence {ev.seq_id}: no choice of {ev.keep} tokens from its scores")
+            old = torch.tensor(ev.old_pages, dtype=torch.int64, device=dev)
+            new = torch.tensor(ev.new_pages, dtype=torch.int64, device=dev)
+            srcs.append(old[idx // P] * P + idx % P)
+            t = torch.arange(ev.keep, dtype=torch.int64, device=dev)
+            dsts.append(new[t // P] * P + t % P)
+        self.kernels.gather_tokens(kv=self.kv, src_slots=torch.cat(srcs, dim=2).contiguous(),
+                                   dst_slots=torch.cat(dsts), scales=self.scales)
+
+    def _score_inputs(self, batch: ScheduledBatch, hs: HostStep) -> ScoreInputs:
+        starts = np.concatenate([[0], np.cumsum(batch.num_new_tokens)])
+        rows, qseq, tables, lens, seqs = [], [], [], [], []
+        for e, (i, keep) in enumerate(batch.score):
+            end = int(starts[i + 1])
+            w = min(self.kv_window, batch.num_new_tokens[i])
+            rows.append(np.arange(end - w, end, dtype=np.int64))
+            qseq.append(np.full(w, e, dtype=np.int32))
+            tables.append(hs.page_table[i])
+            lens.append(int(hs.token_kv_len[end - 1]))
+            seqs.append((batch.seqs[i].seq_id, keep, lens[-1]))
+        r = np.concatenate(rows)
+        dev, cfg = self.kv.device, self.model.cfg
+        put = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
+        scores = torch.empty((cfg.num_layers, len(seqs), cfg.num_kv_heads, max(lens)), dtype=torch.float32, device=dev)
+        return ScoreInputs(put(r), put(np.concatenate(qseq)), put(hs.token_kv_len[r]), put(np.stack(tables)),
+                           put(np.asarray(lens, dtype=np.int32)), scores, seqs)
+
+    def _choose(self, score: ScoreInputs) -> None:
+        """Per layer and KV head: the sink and recent tokens, then the best scores, up to each budget."""
+        for e, (seq_id, keep, L) in enumerate(score.seqs):
+            s = score.scores[:, e, :, :L].clone()
+            s[..., :self.kv_sink] = math.inf
+            s[..., max(0, L - self.kv_recent):] = math.inf
+            self.keep[seq_id] = torch.topk(s, keep, dim=-1, sorted=False).indices.sort(dim=-1).values
 
     def launch_offload(self, plan: OffloadPlan) -> None:
         """Start a plan's copies on the copy engine; plan.ticket says when they are done."""
@@ -120,8 +187,8 @@ class Executor:
 
         plan.ticket = self.copy_engine.submit(launch)
 
-    def forward(self, step: StepInputs, plan) -> torch.Tensor:
-        """The model over a step's tokens: hidden [T, E]."""
+    def forward(self, step: StepInputs, plan, score: ScoreInputs | None = None) -> torch.Tensor:
+        """The model over a step's tokens: hidden [T, E]; with score, each layer's kv_score after its attention."""
         caches = self.layer_caches
 
         def attention(layer: int, q, k, v):
@@ -132,6 +199,10 @@ class Executor:
             self.kernels.paged_attention(q=q, k_cache=k_cache, v_cache=v_cache, token_seq=step.token_seq,
                                          page_table=step.page_table, token_kv_len=step.token_kv_len, out=out,
                                          plan=plan, k_scale=k_scale, v_scale=v_scale)
+            if score is not None:
+                self.kernels.kv_score(q=q.index_select(0, score.rows), k_cache=k_cache, v_cache=v_cache,
+                                      query_seq=score.query_seq, query_kv_len=score.query_kv_len,
+                                      page_table=score.page_table, kv_len=score.kv_len, scores=score.scores[layer])
             return out
 
         op = self.model.prologue
@@ -171,13 +242,16 @@ class Executor:
                 raise ValueError("batch: token ids still being sampled (coded < 0) but no in-flight step's ids given")
         else:
             pending = None
-        if hs.decode and self.graphs is not None and self.graphs.fits(hs):
+        if hs.decode and self.graphs is not None and self.graphs.fits(hs) and not batch.score:
             return hs.sample_seqs, self.graphs.replay(hs, pending)
         step = device_step(hs, self.staging)
         if pending is not None:
             fill_pending(step.input_ids, pending)
         plan = self.kernels.plan_step(len(hs.input_ids), len(hs.page_table), hs.page_table.shape[1] * self.page_size)
-        hidden = self.forward(step, plan)
+        score = self._score_inputs(batch, hs) if batch.score else None
+        hidden = self.forward(step, plan, score)
+        if score is not None:
+            self._choose(score)
         self._prompt_logprobs(batch, hidden)
         return step.sample_seqs, self.model.logits(hidden[step.sample_rows])
 

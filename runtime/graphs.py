@@ -123,7 +123,7 @@ class DecodeGraphs:
         h_len, h_table = host("graph_len", (bs,), torch.int32), host("graph_table", (bs, w), torch.int32)
         ids, pos, ln, slot, table = (t.numpy() for t in (h_ids, h_pos, h_len, h_slot, h_table))
         ids[:n], pos[:n], slot[:n] = hs.input_ids, hs.positions, hs.slot_mapping
-        ln[:n] = hs.positions + 1
+        ln[:n] = hs.token_kv_len
         ids[n:], pos[n:], slot[n:], ln[n:] = 0, 0, -1, 1  # padding rows
         table[:n, :pages] = hs.page_table
         table[:n, pages:] = -1

@@ -46,12 +46,15 @@ class KernelOps:
     cache_write: ir.ReshapeAndCache
     copy: ir.CopyBlocks
     swap: ir.SwapBlocks
+    gather: ir.GatherTokens
+    score: ir.KVScore | None  # KV eviction's scores (None: a quantised cache, which kv_score does not read)
 
     @classmethod
     def for_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
-                  sliding_window: int = 0, variant: str = "ua", kv_dtype: str | None = None) -> "KernelOps":
+                  sliding_window: int = 0, variant: str = "ua", kv_dtype: str | None = None,
+                  score_method: str = "andpro") -> "KernelOps":
         """kv_dtype: the cache's IR dtype (None: the model's; int8 / fp8_e4m3 store per (page, slot, KV head)
-        float32 scales beside the pages)."""
+        float32 scales beside the pages). score_method: KV eviction's kv_score method."""
         dt = ir.from_torch(dtype)
         if dt not in ir.FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {[ir.torch_dtype(d) for d in ir.FLOAT_DTYPES]}, got {dtype}")
@@ -60,7 +63,10 @@ class KernelOps:
                                      window=sliding_window, variant=variant),
                    ir.ReshapeAndCache(num_kv_heads, head_dim, page_size, dtype=dt, kv_dtype=kv),
                    ir.CopyBlocks(num_kv_heads, head_dim, page_size, kv_dtype=kv),
-                   ir.SwapBlocks(num_kv_heads, head_dim, page_size, kv_dtype=kv))
+                   ir.SwapBlocks(num_kv_heads, head_dim, page_size, kv_dtype=kv),
+                   ir.GatherTokens(num_kv_heads, head_dim, page_size, kv_dtype=kv),
+                   None if kv in ir.QUANT_DTYPES else ir.KVScore(num_heads, num_kv_heads, head_dim, page_size, dt, kv,
+                                                                 method=score_method))
 
     @property
     def kv_dtype(self) -> str:
@@ -317,6 +323,17 @@ class KernelBackend(TorchLayerOps):
         extra = dict(src_scales=src_scales, dst_scales=dst_scales) if self.ops.quantized else {}
         self.run(self.ops.swap, src=src, dst=dst, mapping=mapping, **extra)
 
+    # KV eviction
+    def gather_tokens(self, kv, src_slots, dst_slots, scales=None) -> None:
+        extra = dict(scales=scales) if self.ops.quantized else {}
+        self.run(self.ops.gather, kv=kv, src_slots=src_slots, dst_slots=dst_slots, **extra)
+
+    def kv_score(self, q, k_cache, v_cache, query_seq, query_kv_len, page_table, kv_len, scores) -> None:
+        if self.ops.score is None:
+            raise ValueError(f"KV eviction scores a float KV cache; this one is {self.ops.kv_dtype}")
+        self.run(self.ops.score, q=q, k_cache=k_cache, v_cache=v_cache, query_seq=query_seq,
+                 query_kv_len=query_kv_len, page_table=page_table, kv_len=kv_len, scores=scores)
+
 
 class ReferenceBackend(KernelBackend):
     """numpy float64 reference; works on CPU tensors in place through shared memory."""
@@ -325,7 +342,8 @@ class ReferenceBackend(KernelBackend):
 
     def __init__(self, ops: KernelOps):
         super().__init__(ops)
-        self.binders = {op.kind: binding.host_binder(op) for op in (ops.attention, ops.cache_write, ops.copy, ops.swap)}
+        self.binders = {op.kind: binding.host_binder(op)
+                        for op in (ops.attention, ops.cache_write, ops.copy, ops.swap, ops.gather, ops.score) if op}
 
     def run(self, op, **tensors):
         self.binders[op.kind](tensors)  # names, dtypes, shapes, layout, on the CPU
@@ -350,6 +368,9 @@ class ReferenceBackend(KernelBackend):
                     arrays[name] = arrays[name][used]
             o, _ = reference.paged_attention(op, **arrays)
             out[...] = o
+        elif op.kind == "kv_score":
+            scores = arrays.pop("scores")
+            scores[...] = reference.kv_score(op, **arrays, max_kv_len=scores.shape[2])
         else:
             reference.run(op, **arrays)
 
@@ -639,7 +660,10 @@ class TVMCPUBackend(PackedLinearOps, KernelBackend):
         return x
 
     def run(self, op, **tensors):
-        self.fns[op.kind](**tensors)  # checks shapes, dtypes and layout itself
+        fn = self.fns.get(op.kind)
+        if fn is None:  # the KV-eviction ops, built on first use
+            fn = self.fns[op.kind] = self.cpu_kernel(op)
+        fn(**tensors)  # checks shapes, dtypes and layout itself
 
 
 class CUDABackend(KernelLayerOps, KernelBackend):

@@ -11,6 +11,12 @@ swap-out, swap-in, copies. Page states (one at a time, for every device page):
 A pin (pin / unpin) is a hold without a block table: the CPU offload tier (offload.py) pins the pages an
 asynchronous copy reads or writes, so a page freed by its sequence meanwhile is not handed out before the copy ends.
 
+KV eviction (evict()): a sequence's kept tokens are gathered into fresh pages (the executor's gather_tokens launch,
+before any other cache op of the step but compaction, which does not run in such a step); its old pages are read by
+that copy, never written, so pages shared through the prefix cache or copy-on-write stay intact for their other
+holders, and they return to the pool when the step's copies are done (the deferred rule). An evicted sequence's
+pages no longer hold its prefix: they are never published to the prefix cache.
+
 Fragmentation (fragmentation()): the share of the page ids below the highest live page (in use or cached) that are
 not live, 1 - live / (highest live id + 1): 0 when the live pages are packed at the front. compact() packs them.
 """
@@ -154,7 +160,9 @@ class KVManager:
         return self._hashes(seq, (seq.num_tokens - 1) // self.page_size)
 
     def computed_page_hashes(self, seq: Sequence) -> list[int]:
-        """The hashes of seq's full, computed pages that its block table holds, in order."""
+        """The hashes of seq's full, computed pages that its block table holds, in order (none once evicted)."""
+        if seq.num_evicted:
+            return []
         return self._hashes(seq, min(seq.num_computed_tokens // self.page_size, len(seq.block_table)))
 
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -172,7 +180,7 @@ class KVManager:
 
     def register_full_pages(self, seq: Sequence) -> None:
         """Publish seq's pages that are now full and computed (call after the forward pass)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.num_evicted:
             return
         num_full = min(seq.num_computed_tokens // self.page_size, len(seq.block_table))
         for i, h in enumerate(self._hashes(seq, num_full)):
@@ -190,7 +198,7 @@ class KVManager:
         if prefix_pages and seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already holds pages; prefix_pages is for admission only")
         table_len = len(seq.block_table) + len(prefix_pages)
-        start = len(prefix_pages) * self.page_size if prefix_pages else seq.num_computed_tokens
+        start = len(prefix_pages) * self.page_size if prefix_pages else seq.kv_len
         end = start + num_new_tokens
         # pages the write lands in that already exist: a shared one must be copied first
         shared = [i for i in range(start // self.page_size, min(table_len, self.pages_for(end)))
@@ -243,6 +251,26 @@ class KVManager:
         # only full computed pages are common history: the child's later tokens may differ
         num_full = min(len(pages), parent.num_computed_tokens // self.page_size)
         self.seq_hashes[child.seq_id] = list(self.seq_hashes.get(parent.seq_id, [])[:num_full])
+
+    # ---- eviction -------------------------------------------------------------------------------
+    def evict(self, seq: Sequence, keep: int) -> tuple[list[int], list[int]] | None:
+        """Plan keeping `keep` of seq's kv_len cached tokens: fresh pages for them replace its block table, its old
+        pages are released once this step's copies have read them. Returns (old pages, new pages) for the gather, or
+        None, changing nothing, when the pages for the kept tokens are not free (the sequence keeps its cache)."""
+        if not 0 < keep < seq.kv_len:
+            raise ValueError(f"evict: keep must be in (0, kv_len={seq.kv_len}), got {keep}")
+        need = self.pages_for(keep)
+        if need > self.num_free_pages:
+            return None
+        old = list(seq.block_table)
+        new = [self._take_free_page() for _ in range(need)]
+        self.copy_sources.update(old)  # read by this step's gather: freed pages wait for end_step()
+        for page in reversed(old):
+            self.unref(page)
+        seq.block_table = new
+        seq.num_evicted += seq.kv_len - keep
+        self.seq_hashes.pop(seq.seq_id, None)
+        return old, new
 
     # ---- swap -----------------------------------------------------------------------------------
     def end_step(self) -> None:

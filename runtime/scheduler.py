@@ -11,6 +11,22 @@ pages are freed at once (preemption "offload" is recompute preemption with the t
 sequence whose prefix continues in the tier past the GPU prefix cache is restored from it (RESTORING, not scheduled
 until its copy is done) instead of recomputed. Compaction runs at the start of a step when fragmentation
 (KVManager.fragmentation) reaches compact_threshold with at least compact_min_holes holes, and no copy is in flight.
+
+Policies order the waiting queue: fcfs by arrival; sjf by the expected remaining work (remaining_work: prompt left
+plus the outputs max_tokens allows); priority by priority (lower number first), and a waiting request that cannot
+get pages preempts the least important running sequence less important than itself; prefix groups requests (each
+group at its oldest member's place): those whose first page is equal (a shared cached prefix, the followers
+deferred while it is computed), the others by length class (the power of two of prompt + max_tokens), so requests
+of similar length run and finish together.
+
+KV eviction within a budget (a request's SamplingParams.kv_budget, else kv_budget here): the step in which a
+sequence's chunk reaches the end of its prompt with more than its budget cached, or a later step that takes its cache
+past budget + kv_slack, scores its cached tokens (batch.score: the executor runs the kv_score op over a window of
+the chunk's last kv_window queries, every layer, and picks per layer and KV head the kv_sink first tokens, the
+kv_recent last and the top-scored rest up to the budget); the next step gathers the kept tokens into fresh pages
+before anything else (batch.evictions, KVManager.evict) and frees the old ones. Fail-closed: a budget below
+kv_sink + kv_recent (the recent window would be dropped) never evicts, and an eviction whose pages are not free
+keeps the full cache; shared pages are only read.
 """
 from __future__ import annotations
 
@@ -23,6 +39,7 @@ from .offload import OffloadPlan, OffloadTier
 from .sequence import Sequence, SequenceStatus
 
 POLICIES = ("fcfs", "sjf", "priority", "prefix")
+EVICT_METHODS = ("andpro", "attention", "value_norm")  # ir.SCORE_METHODS
 PREEMPTION_MODES = ("recompute", "swap", "offload")
 _child_ids = itertools.count(1 << 40)
 log = logging.getLogger(__name__)  # ids for forked children, far from the engine's own counter
@@ -46,6 +63,12 @@ class SchedulerConfig:
     offload_pages_per_step: int = 64    # most pages a step saves
     compact_threshold: float | None = 0.5  # fragmentation that triggers compaction (None: never)
     compact_min_holes: int = 64         # ... with at least this many holes
+    kv_budget: int | float | None = None  # KV eviction default for requests that set none (SamplingParams.kv_budget)
+    kv_evict_method: str = "andpro"     # andpro | attention | value_norm: the kv_score op's method
+    kv_sink: int = 4                    # first tokens eviction always keeps (attention sinks)
+    kv_recent: int = 32                 # last tokens eviction always keeps
+    kv_window: int = 32                 # observation window: the last queries of the chunk that scores
+    kv_slack: int = 64                  # a decoding sequence is evicted again past budget + slack tokens
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "num_pages", "page_size"):
@@ -76,12 +99,34 @@ class SchedulerConfig:
         t = self.compact_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1):
             raise ValueError(f"compact_threshold must be a number in (0, 1] or None, got {t!r}")
+        b = self.kv_budget
+        if b is not None and not ((isinstance(b, int) and not isinstance(b, bool) and b >= 1)
+                                  or (isinstance(b, float) and 0 < b <= 1)):
+            raise ValueError(f"kv_budget must be an int >= 1 (tokens), a float in (0, 1] (a share of the prompt) "
+                             f"or None, got {b!r}")
+        if self.kv_evict_method not in EVICT_METHODS:
+            raise ValueError(f"kv_evict_method must be one of {EVICT_METHODS}, got {self.kv_evict_method!r}")
+        for name, lo in (("kv_sink", 0), ("kv_recent", 1), ("kv_window", 1), ("kv_slack", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         capacity = self.num_pages * self.page_size
         if self.max_model_len is None:
             self.max_model_len = capacity
         elif not isinstance(self.max_model_len, int) or not 1 <= self.max_model_len <= capacity:
             raise ValueError(f"max_model_len must be in [1, num_pages * page_size = {capacity}], "
                              f"got {self.max_model_len!r}")
+
+
+@dataclass
+class Eviction:
+    """A sequence's kept tokens moving into fresh pages: the executor gathers the `keep` tokens its last scores chose
+    (per layer and KV head) from old_pages into new_pages, slots 0 .. keep - 1."""
+
+    seq_id: int
+    old_pages: list[int]
+    new_pages: list[int]
+    keep: int
 
 
 @dataclass
@@ -95,6 +140,8 @@ class ScheduledBatch:
     sample: list[bool] = field(default_factory=list)  # seq i reaches its last token: sample one
     moves: list[tuple[int, int]] = field(default_factory=list)     # compaction (src page, dst page), run first
     offload: OffloadPlan = field(default_factory=OffloadPlan)      # copies to and from the CPU offload tier
+    evictions: list[Eviction] = field(default_factory=list)        # kept tokens gathered first (after moves)
+    score: list[tuple[int, int]] = field(default_factory=list)     # (row i, budget): score seqs[i]'s cache
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +149,8 @@ class ScheduledBatch:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.seqs or self.swap_out or self.swap_in or self.copies or self.moves or self.offload)
+        return not (self.seqs or self.swap_out or self.swap_in or self.copies or self.moves or self.offload
+                    or self.evictions)
 
 
 class Scheduler:
@@ -122,6 +170,10 @@ class Scheduler:
         self.pages_compacted = 0
         self.recomputed_tokens = 0  # tokens computed again after a recompute preemption
         self.lost: dict[int, int] = {}  # seq_id -> tokens it had computed when preempted by recompute
+        self.to_evict: list[tuple[Sequence, int]] = []  # scored in the last step: (sequence, tokens to keep)
+        self.num_evictions = 0
+        self.evicted_tokens = 0
+        self.evictions_refused = 0  # evictions that kept the full cache (pages short)
 
     # ---- requests -------------------------------------------------------------------------------
     def _all(self):
@@ -162,7 +214,8 @@ class Scheduler:
         return children
 
     def _adopt_prompt(self, parent: Sequence, child: Sequence) -> None:
-        if parent.status is SequenceStatus.RUNNING and parent.num_computed_tokens >= child.num_prompt_tokens:
+        if (parent.status is SequenceStatus.RUNNING and parent.num_computed_tokens >= child.num_prompt_tokens
+                and not parent.num_evicted):
             self.kv.fork(parent, child, self.kv.pages_for(child.num_prompt_tokens))
             child.num_computed_tokens = child.num_prompt_tokens - 1
             child.status = SequenceStatus.RUNNING
@@ -197,9 +250,14 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped or self.restoring or any(self.parked.values()))
 
     # ---- ordering -------------------------------------------------------------------------------
+    @staticmethod
+    def remaining_work(seq: Sequence) -> int:
+        """SJF's rank: the tokens a sequence still has to compute, prompt left plus the outputs max_tokens allows."""
+        return seq.num_tokens - seq.num_computed_tokens + seq.params.max_tokens - seq.num_output_tokens
+
     def _key(self, seq: Sequence):
         if self.config.policy == "sjf":
-            return (seq.num_tokens - seq.num_computed_tokens, seq.arrival_time, seq.seq_id)
+            return (self.remaining_work(seq), seq.arrival_time, seq.seq_id)
         if self.config.policy == "priority":
             return (seq.priority, seq.arrival_time, seq.seq_id)
         return (seq.arrival_time, seq.seq_id)
@@ -212,11 +270,20 @@ class Scheduler:
         first = {}
         for s in seqs:
             first.setdefault(self._group(s), self._key(s))
-        return sorted(seqs, key=lambda s: (first[self._group(s)], self._group(s) is None, self._key(s)))
+        return sorted(seqs, key=lambda s: (first[self._group(s)], not self._shares_prefix(self._group(s)), self._key(s)))
 
     def _group(self, seq: Sequence):
+        """The prefix policy's group: requests whose first page is equal share a cached prefix; the others group
+        by length class, the power of two of prompt + max_tokens (a bucket per class), so requests of similar
+        length run together and finish together instead of one long request holding pages that preempt the rest."""
         P = self.config.page_size
-        return tuple(seq.token_ids[:P]) if seq.num_prompt_tokens > P else None
+        if seq.num_prompt_tokens > P:
+            return tuple(seq.token_ids[:P])
+        return ("length", (seq.num_prompt_tokens + seq.params.max_tokens).bit_length())
+
+    @staticmethod
+    def _shares_prefix(group) -> bool:
+        return group is not None and group[:1] != ("length",)
 
     @staticmethod
     def _victim_key(seq: Sequence):
@@ -233,7 +300,8 @@ class Scheduler:
         budget = c.max_num_batched_tokens
         if self.tier is not None:
             self._restored(self.tier.poll(kv))
-        batch.moves = self._maybe_compact()
+        batch.evictions = self._plan_evictions()
+        batch.moves = [] if batch.evictions else self._maybe_compact()  # compaction would rename the old pages
         restoring = []  # sequences this step starts restoring
 
         def take(seq, num_new, copies):
@@ -243,6 +311,11 @@ class Scheduler:
             batch.sample.append(seq.num_computed_tokens + num_new == seq.num_tokens)
             batch.copies.extend(copies)
             budget -= num_new
+            keep = self._eviction_budget(seq, num_new)
+            if keep is not None:
+                batch.score.append((len(batch.seqs) - 1, keep))
+
+        room_made = self._make_room_for_priority(batch)
 
         # 1. running sequences, decodes first
         decode_first = sorted(self.running, key=lambda s: (s.num_computed_tokens < s.num_prompt_tokens,
@@ -264,7 +337,7 @@ class Scheduler:
                 take(seq, num_new, copies)
 
         # 2. swapped sequences come back before any new prefill
-        while self.swapped and not preempted and budget and self._num_active() < c.max_num_seqs:
+        while self.swapped and not preempted and not room_made and budget and self._num_active() < c.max_num_seqs:
             seq = min(self.swapped, key=self._key)
             mapping = kv.swap_in(seq)
             if mapping is None:
@@ -279,13 +352,13 @@ class Scheduler:
                 take(seq, num_new, copies)
 
         # 3. new (or recompute-preempted) requests
-        if self.waiting and not self.swapped and not preempted:
+        if self.waiting and (not self.swapped or room_made) and not preempted:
             prefilling = {self._group(s) for s in self.running if s.num_computed_tokens < s.num_prompt_tokens}
             for seq in self.ordered_waiting():
                 if budget == 0 or self._num_active() >= c.max_num_seqs or len(batch.seqs) >= c.max_num_seqs:
                     break
                 group = self._group(seq)
-                if c.policy == "prefix" and group is not None and group in prefilling:
+                if c.policy == "prefix" and self._shares_prefix(group) and group in prefilling:
                     continue  # its shared prefix is being computed: join next step and hit the cache
                 # a request for prompt log-probabilities computes its whole prompt: no cached prefix
                 prefix = kv.match_prefix(seq) if seq.params.prompt_logprobs is None else []
@@ -323,6 +396,58 @@ class Scheduler:
                 self._restored(self.tier.wait_oldest(kv))
                 return self.schedule()
         return batch
+
+    def _eviction_budget(self, seq: Sequence, num_new: int) -> int | None:
+        """The tokens seq keeps if this step's chunk should score its cache, else None: the chunk reaches the end
+        of the prompt with more than the budget cached, or takes the cache past budget + kv_slack. A budget below
+        kv_sink + kv_recent would drop the recent window: never."""
+        c = self.config
+        b = seq.params.budget_tokens(seq.num_prompt_tokens, c.kv_budget)
+        if b is None or b < c.kv_sink + c.kv_recent:
+            return None
+        after = seq.kv_len + num_new
+        ends_prompt = seq.num_computed_tokens < seq.num_prompt_tokens <= seq.num_computed_tokens + num_new
+        return b if after > b + (0 if ends_prompt else c.kv_slack) else None
+
+    def _plan_evictions(self) -> list[Eviction]:
+        """The evictions the last step scored, for sequences still running (KVManager.evict; pages short: the
+        sequence keeps its full cache)."""
+        plans, todo, self.to_evict = [], self.to_evict, []
+        for seq, keep in todo:
+            if seq.status is not SequenceStatus.RUNNING or keep >= seq.kv_len:
+                continue
+            before = seq.kv_len
+            pages = self.kv.evict(seq, keep)
+            if pages is None:
+                self.evictions_refused += 1
+                log.info("eviction of sequence %d skipped: %d pages for its %d kept tokens are not free; it keeps "
+                         "its full cache", seq.seq_id, self.kv.pages_for(keep), keep)
+                continue
+            plans.append(Eviction(seq.seq_id, pages[0], pages[1], keep))
+            self.num_evictions += 1
+            self.evicted_tokens += before - keep
+            log.debug("evicting sequence %d: %d of %d cached tokens kept, %d -> %d pages", seq.seq_id, keep, before,
+                      len(pages[0]), len(pages[1]))
+        return plans
+
+    def _make_room_for_priority(self, batch: ScheduledBatch) -> bool:
+        """priority: while the most important waiting request would not get pages for its first chunk (beside a
+        page for each running decode that fills its last one), preempt the least important running sequence less
+        important than it. Returns whether it preempted."""
+        c, kv = self.config, self.kv
+        if c.policy != "priority" or not self.waiting:
+            return False
+        head = min(self.waiting, key=self._key)
+        need = kv.pages_for(min(head.num_tokens, c.max_prefill_chunk, c.max_num_batched_tokens))
+        need -= len(kv.match_prefix(head))
+        done = False
+        while True:
+            decodes = sum(1 for s in self.running if s.kv_len % c.page_size == 0)
+            cands = [s for s in self.running if s.priority > head.priority]
+            if kv.num_free_pages >= need + decodes or not cands:
+                return done
+            self._preempt(self._victim(cands), batch)
+            done = True
 
     def _num_active(self) -> int:
         return len(self.running) + len(self.restoring)
@@ -388,7 +513,7 @@ class Scheduler:
                 self.tier.touch(self.kv.computed_page_hashes(seq))
             self.kv.free(seq)
             self.lost[seq.seq_id] = seq.num_computed_tokens
-            seq.num_computed_tokens = 0
+            seq.num_computed_tokens = seq.num_evicted = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.append(seq)
 
@@ -397,6 +522,7 @@ class Scheduler:
         sequences that hit max_tokens (reason "length"). Returns the sequences finished here."""
         self.kv.end_step()
         finished = []
+        self.to_evict = [(batch.seqs[i], keep) for i, keep in batch.score]
         for seq, num_new, wants_sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between schedule and update
@@ -444,4 +570,6 @@ class Scheduler:
                 "offload_pages_not_ready": tier.pages_not_ready if tier else 0,
                 "offload_pages_used": self.tier.num_used if tier else 0,
                 "num_compactions": self.num_compactions, "pages_compacted": self.pages_compacted,
+                "num_evictions": self.num_evictions, "evicted_tokens": self.evicted_tokens,
+                "evictions_refused": self.evictions_refused,
                 "fragmentation": self.fragmentation[0]}

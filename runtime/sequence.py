@@ -50,6 +50,8 @@ class SamplingParams:
     min_tokens: int = 0                       # no EOS, stop token or stop string ends it before this many tokens
     include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
     prompt_logprobs: int | None = None        # k: each prompt token's log-probability and the k most likely
+    kv_budget: int | float | None = None      # KV eviction: tokens of cache kept (int) or a share of the prompt
+    #                                           (float in (0, 1]); None: the engine's default (no eviction)
 
     def __post_init__(self):
         def number_in(name, lo, hi, lo_open=False, hi_text=None):
@@ -98,8 +100,19 @@ class SamplingParams:
                              f"got {self.prompt_logprobs!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        b = self.kv_budget
+        if b is not None and not ((_is_int(b) and b >= 1) or (isinstance(b, float) and 0 < b <= 1)):
+            raise ValueError(f"kv_budget must be an int >= 1 (tokens), a float in (0, 1] (a share of the prompt) "
+                             f"or None, got {b!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
+
+    def budget_tokens(self, num_prompt_tokens: int, default: int | float | None = None) -> int | None:
+        """The KV budget in tokens (kv_budget, else default; a share counts the prompt, at least 1), or None."""
+        b = self.kv_budget if self.kv_budget is not None else default
+        if b is None:
+            return None
+        return b if isinstance(b, int) else max(1, int(b * num_prompt_tokens))
 
     @property
     def greedy(self) -> bool:
@@ -137,7 +150,9 @@ class SamplingParams:
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """One generation stream. K/V of token_ids[:num_computed_tokens] are in the cache."""
+    """One generation stream. K/V of token_ids[:num_computed_tokens] have been computed; the cache holds kv_len of
+    them: all but num_evicted, which KV eviction dropped. Token i sits at position i (RoPE, max_model_len) whatever
+    was evicted; the cache slot of a token computed after the last eviction is its position - num_evicted."""
 
     seq_id: int
     token_ids: list[int]
@@ -146,7 +161,8 @@ class Sequence:
     priority: int = 0                       # lower number = more important
     arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0            # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0            # tokens whose K/V were computed
+    num_evicted: int = 0                    # of those, dropped from the cache by KV eviction
     block_table: list[int] = field(default_factory=list)  # device page ids, in order
     # additive extras (bookkeeping for metrics and the API; the engine may ignore them)
     num_cached_tokens: int = 0              # prefix-cache hit on first admission
@@ -162,6 +178,11 @@ class Sequence:
         if not 0 < self.num_prompt_tokens <= len(self.token_ids):
             raise ValueError(f"num_prompt_tokens must be in [1, len(token_ids)={len(self.token_ids)}], "
                              f"got {self.num_prompt_tokens}")
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens in the cache: what attention reads."""
+        return self.num_computed_tokens - self.num_evicted
 
     @property
     def num_tokens(self) -> int:

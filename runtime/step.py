@@ -17,16 +17,13 @@ class HostStep:
 
     input_ids: np.ndarray     # [T] int64
     positions: np.ndarray     # [T] int64
+    token_kv_len: np.ndarray  # [T] int32: cache slots a token sees (its slot + 1: causal)
     token_seq: np.ndarray     # [T] int32: which batch row each token belongs to
     slot_mapping: np.ndarray  # [T] int64: page * P + offset
     page_table: np.ndarray    # [S, max_pages] int32, -1 past a sequence's pages
     sample_rows: np.ndarray   # [N] int64: token rows whose logits are sampled
     sample_seqs: list[Sequence]
     decode: bool              # every sequence computes exactly one token and samples it
-
-    @property
-    def token_kv_len(self) -> np.ndarray:  # [T] int32: position + 1 (causal)
-        return (self.positions + 1).astype(np.int32)
 
 
 @dataclass(slots=True)
@@ -44,7 +41,8 @@ class StepInputs:
 
 
 def host_step(batch: ScheduledBatch, page_size: int) -> HostStep:
-    ids, pos, tseq, slots, rows, sample_seqs = [], [], [], [], [], []
+    """Positions are token indices; cache slots are positions less the sequence's evicted tokens."""
+    ids, pos, kvl, tseq, slots, rows, sample_seqs = [], [], [], [], [], [], []
     num_tokens = 0
     max_pages = max(len(s.block_table) for s in batch.seqs)
     table = np.full((len(batch.seqs), max_pages), -1, dtype=np.int32)
@@ -55,21 +53,25 @@ def host_step(batch: ScheduledBatch, page_size: int) -> HostStep:
         if n < 1 or start + n > seq.num_tokens:
             raise ValueError(f"batch: sequence {seq.seq_id} schedules positions [{start}, {start + n}) "
                              f"of {seq.num_tokens} tokens")
-        if len(seq.block_table) * page_size < start + n:
-            raise ValueError(f"batch: sequence {seq.seq_id} has {len(seq.block_table)} pages for {start + n} tokens")
+        c0 = start - seq.num_evicted
+        if len(seq.block_table) * page_size < c0 + n:
+            raise ValueError(f"batch: sequence {seq.seq_id} has {len(seq.block_table)} pages for {c0 + n} cached tokens")
         bt = np.asarray(seq.block_table, dtype=np.int64)
         table[i, :len(bt)] = bt
         p = np.arange(start, start + n, dtype=np.int64)
+        c = p - seq.num_evicted
         ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int64))
         pos.append(p)
+        kvl.append((c + 1).astype(np.int32))
         tseq.append(np.full(n, i, dtype=np.int32))
-        slots.append(bt[p // page_size] * page_size + p % page_size)
+        slots.append(bt[c // page_size] * page_size + c % page_size)
         num_tokens += n
         if samples[i]:  # the logits of a sequence's last token give its next one
             rows.append(num_tokens - 1)
             sample_seqs.append(seq)
     decode = num_tokens == len(batch.seqs) == len(sample_seqs)
-    return HostStep(np.concatenate(ids), np.concatenate(pos), np.concatenate(tseq), np.concatenate(slots), table,
+    return HostStep(np.concatenate(ids), np.concatenate(pos), np.concatenate(kvl), np.concatenate(tseq),
+                    np.concatenate(slots), table,
                     np.asarray(rows, dtype=np.int64), sample_seqs, decode)
 
 

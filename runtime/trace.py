@@ -14,7 +14,8 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-KERNEL_METHODS = ("plan_step", "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks")
+KERNEL_METHODS = ("plan_step", "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks", "gather_tokens",
+                  "kv_score")
 
 
 class NullTracer:

@@ -355,6 +355,18 @@ def _add_tune(sub, common) -> None:
     t.set_defaults(func=cmd_tune)
 
 
+def _kv_budget(text: str) -> int | float:
+    """--kv-budget: an int (tokens) or a float (a share of the prompt)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int (tokens) or a float in (0, 1], got {text!r}") from None
+
+
 def _add_serve(sub, common) -> None:
     s = sub.add_parser("serve", parents=[common], help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument("--model", required=True, help="a .gguf file or a Hugging Face directory")
@@ -373,6 +385,11 @@ def _add_serve(sub, common) -> None:
     s.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from memory)")
     s.add_argument("--policy", default=None, help="fcfs | sjf | priority | prefix")
     s.add_argument("--preemption", default=None, help="recompute | swap | offload (needs --cpu-offload-gb)")
+    s.add_argument("--kv-budget", type=_kv_budget, default=None, metavar="N|F",
+                   help="KV eviction: cached tokens a sequence keeps (an int) or a share of its prompt (a float in "
+                        "(0, 1]); sink, recent and top-scored tokens are kept (default: no eviction)")
+    s.add_argument("--kv-evict-method", default=None, choices=["andpro", "attention", "value_norm"],
+                   help="how eviction scores tokens (default: andpro)")
     s.add_argument("--cpu-offload-gb", type=float, default=None,
                    help="a CPU offload tier of KV pages in this many GB (1e9 bytes) of host memory (pinned on CUDA): "
                         "preempted sequences and evicted prefixes come back from it instead of being recomputed")

@@ -472,6 +472,96 @@ class SwapBlocks(_PageOp):
 
 
 @dataclass(frozen=True)
+class GatherTokens(_PageOp):
+    """Token-granular copy of K, V (and scales) of all layers in one launch: the kept tokens of KV eviction, each
+    (layer, KV head) its own choice of source tokens, packed into the destination slots.
+
+    For layer l, KV head g and token t: kv[l, c, dst // P, dst % P, g] = kv[l, c, src // P, src % P, g] for K and V
+    (c = 0, 1), src = src_slots[l, g, t], dst = dst_slots[t] (slot = page * P + offset, as reshape_and_cache);
+    scales likewise when quantised. dst -1 skips the token. No destination slot may be a source slot of any
+    (layer, head): the runtime gathers into fresh pages, so every source is read unchanged.
+    """
+
+    kind: ClassVar[str] = "gather_tokens"
+
+    def params(self) -> list[TensorSpec]:
+        Hkv, D, P = self.num_kv_heads, self.head_dim, self.page_size
+        ps = [TensorSpec("kv", self.kv_dtype, ("num_layers", 2, "num_pages", P, Hkv, D), "inout")]
+        if self.quantized:
+            ps.append(TensorSpec("scales", "fp32", ("num_layers", 2, "num_pages", P, Hkv), "inout"))
+        ps += [TensorSpec("src_slots", "int64", ("num_layers", Hkv, "num_tokens")),
+               TensorSpec("dst_slots", "int64", ("num_tokens",))]
+        return ps + [size("num_layers"), size("num_pages"), size("num_tokens")]
+
+
+SCORE_METHODS = ("andpro", "attention", "value_norm")
+
+
+@dataclass(frozen=True)
+class KVScore(OpSpec):
+    """Importance of each cached token for KV eviction, per sequence and KV head, from an observation window of
+    queries (SnapKV's window; the runtime passes a sequence's last W queries).
+
+    Sequence s's window is the queries t with query_seq[t] = s (n_s of them); query t sees its sequence's positions
+    [0, query_kv_len[t]) of the pages page_table[s] (as paged_attention). For query head h:
+    A[h, t, i] = softmax_i(scale * q[t, h] . k_i) over those positions (0 beyond them), a[h, i] = mean_t A[h, t, i]
+    (the attention weight over the window) and o_h = sum_i a[h, i] v_i (the window's mean output, the anchor).
+    method (per query head, then averaged over the G = Hq / Hkv query heads of KV head g, the GQA aggregate):
+      andpro:     a[h, i] <v_i, o_h> / ||o_h||  (the weighted value projected on the anchor direction; 0 if o_h = 0)
+      attention:  a[h, i]                      (H2O / SnapKV)
+      value_norm: a[h, i] ||v_i||_1            (VATP)
+    scores[s, g, i] for i < kv_len[s] (the positions scored; every query_kv_len of s is <= kv_len[s]), -inf for
+    i in [kv_len[s], max_kv_len); a sequence with no window query scores 0. Float KV only; math in float32
+    in the kernels, float64 in the reference.
+    """
+
+    kind: ClassVar[str] = "kv_score"
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int = 16
+    q_dtype: str = "fp16"
+    kv_dtype: str = "fp16"
+    scale: float | None = None  # None -> 1/sqrt(head_dim)
+    method: str = "andpro"
+
+    def __post_init__(self):
+        _check_positive(self, "num_q_heads", "num_kv_heads", "head_dim", "page_size")
+        if self.num_q_heads % self.num_kv_heads:
+            raise IRError(f"{self.kind}.num_q_heads",
+                          f"must be a multiple of num_kv_heads ({self.num_q_heads} % {self.num_kv_heads} != 0)")
+        _check_pow2(self, "page_size", 1, 256)
+        _check_choice(self, "q_dtype", FLOAT_DTYPES)
+        _check_choice(self, "kv_dtype", FLOAT_DTYPES)
+        _check_choice(self, "method", SCORE_METHODS)
+        if self.kv_dtype != self.q_dtype and self.kv_dtype != "fp32":
+            raise IRError(f"{self.kind}.kv_dtype",
+                          f"must match q_dtype ({self.q_dtype}) or be fp32, got {self.kv_dtype}")
+        if self.scale is not None and not (self.scale > 0 and math.isfinite(self.scale)):
+            raise IRError(f"{self.kind}.scale", f"must be finite and > 0, got {self.scale!r}")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def sm_scale(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def params(self) -> list[TensorSpec]:
+        Hq, Hkv, D, P = self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size
+        return [TensorSpec("q", self.q_dtype, ("num_queries", Hq, D)),
+                TensorSpec("k_cache", self.kv_dtype, ("num_pages", P, Hkv, D)),
+                TensorSpec("v_cache", self.kv_dtype, ("num_pages", P, Hkv, D)),
+                TensorSpec("query_seq", "int32", ("num_queries",)),
+                TensorSpec("query_kv_len", "int32", ("num_queries",)),
+                TensorSpec("page_table", "int32", ("num_seqs", "max_pages")),
+                TensorSpec("kv_len", "int32", ("num_seqs",)),
+                TensorSpec("scores", "fp32", ("num_seqs", Hkv, "max_kv_len"), "out"),
+                size("num_queries"), size("num_pages"), size("num_seqs"), size("max_pages"), size("max_kv_len")]
+
+
+@dataclass(frozen=True)
 class MergeState(OpSpec):
     """Combine split-KV partials by their LSE (the flash-decoding reduce).
 
@@ -760,8 +850,9 @@ class QuantizeRows(OpSpec):
                 TensorSpec("scale", "fp32", ("num_tokens",), "out"), size("num_tokens")]
 
 
-OPS: dict[str, type] = {c.kind: c for c in (PagedAttention, ReshapeAndCache, CopyBlocks, SwapBlocks, MergeState,
-                                            RMSNorm, SiluAndMul, Rope, QKVRopeCache, QuantMatmul, Dequantize, QuantizeRows)}
+OPS: dict[str, type] = {c.kind: c for c in (PagedAttention, ReshapeAndCache, CopyBlocks, SwapBlocks, GatherTokens,
+                                            KVScore, MergeState, RMSNorm, SiluAndMul, Rope, QKVRopeCache, QuantMatmul,
+                                            Dequantize, QuantizeRows)}
 
 
 def op_from_dict(d: dict) -> OpSpec:
@@ -802,7 +893,8 @@ def reference_doc() -> str:
     full = [PagedAttention(32, 8, 128, 16, "bf16", "int8", alibi=True, return_lse=True),
             (pa, dict(num_splits=4)), (pa, dict(num_splits=4, fused_merge=True)), (pa, dict(item_queue=True)),
             ReshapeAndCache(8, 128, 16, "bf16", "int8", rope=True), CopyBlocks(8, 128, 16, "int8"),
-            SwapBlocks(8, 128, 16, "int8"), MergeState(32, 128, 4, "bf16", return_lse=True),
+            SwapBlocks(8, 128, 16, "int8"), GatherTokens(8, 128, 16, "int8"), KVScore(32, 8, 128, 16, "bf16", "bf16"),
+            MergeState(32, 128, 4, "bf16", return_lse=True),
             RMSNorm(4096, "bf16", 1e-6), RMSNorm(4096, "bf16", 1e-6, residual=True), SiluAndMul(12288, "bf16"),
             Rope(32, 128, "bf16", 1e6), QKVRopeCache(32, 8, 128, 16, "bf16", "fp8_e4m3", qk_norm=True, rope_theta=1e6),
             QuantMatmul(4096, 6144, "q4_k", "bf16"), Dequantize(4096, "q8_0", "bf16"), QuantizeRows(4096, "bf16", "fp8_e4m3")]
@@ -836,7 +928,8 @@ def describe(op: OpSpec | Kernel) -> str:
 __all__ = [
     "DType", "DTYPES", "FLOAT_DTYPES", "KV_DTYPES", "QUANT_DTYPES", "QMAX", "TensorSpec", "OpSpec", "Kernel",
     "as_kernel", "check_splits",
-    "PagedAttention", "ReshapeAndCache", "CopyBlocks", "SwapBlocks", "MergeState", "RMSNorm", "SiluAndMul", "Rope", "QKVRopeCache",
+    "PagedAttention", "ReshapeAndCache", "CopyBlocks", "SwapBlocks", "GatherTokens", "KVScore", "SCORE_METHODS",
+    "MergeState", "RMSNorm", "SiluAndMul", "Rope", "QKVRopeCache",
     "QuantMatmul", "Dequantize", "QuantizeRows", "WeightFormat", "WEIGHT_FORMATS",
     "OPS", "op_from_dict", "c_signature", "cffi_cdef", "describe", "itemsize", "numpy_dtype", "torch_dtype",
     "from_torch",

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ir import (QMAX, WEIGHT_FORMATS, CopyBlocks, Dequantize, MergeState, PagedAttention, QKVRopeCache, QuantizeRows,
-                 QuantMatmul, ReshapeAndCache, RMSNorm, Rope, SiluAndMul, SwapBlocks, numpy_dtype)
+from .ir import (QMAX, WEIGHT_FORMATS, CopyBlocks, Dequantize, GatherTokens, KVScore, MergeState, PagedAttention,
+                 QKVRopeCache, QuantizeRows, QuantMatmul, ReshapeAndCache, RMSNorm, Rope, SiluAndMul, SwapBlocks,
+                 numpy_dtype)
 
 
 def f64(x) -> np.ndarray:
@@ -166,6 +167,53 @@ def swap_blocks(op: SwapBlocks, src, dst, mapping, src_scales=None, dst_scales=N
     dst[:, :, m[:, 1]] = src[:, :, m[:, 0]]
     if op.quantized:
         dst_scales[:, :, m[:, 1]] = src_scales[:, :, m[:, 0]]
+
+
+def gather_tokens(op: GatherTokens, kv, src_slots, dst_slots, scales=None) -> None:
+    """In place over all layers and both of K, V: each (layer, KV head)'s source tokens into the destination slots
+    (sources read before any write); dst -1 skips."""
+    P = op.page_size
+    src, dst = np.asarray(src_slots).astype(np.int64), np.asarray(dst_slots).astype(np.int64)
+    keep = dst >= 0
+    src, dst = src[:, :, keep], dst[keep]
+    L, H, N = src.shape
+    li, hi = np.arange(L)[:, None, None], np.arange(H)[None, :, None]
+    for arr in (kv, scales) if op.quantized else (kv,):
+        rows = arr[li, :, src // P, src % P, hi].copy()  # [L, H, N, 2, ...]
+        arr[li, :, (dst // P)[None, None, :], (dst % P)[None, None, :], hi] = rows
+
+
+def kv_score(op: KVScore, q, k_cache, v_cache, query_seq, query_kv_len, page_table, kv_len, max_kv_len=None):
+    """Returns scores [num_seqs, Hkv, max_kv_len] float64 (max_kv_len: the scores' length, default max(kv_len))."""
+    q, K, V, P = f64(q), f64(k_cache), f64(v_cache), op.page_size
+    qs, qlen, lens = np.asarray(query_seq), np.asarray(query_kv_len), np.asarray(kv_len)
+    S, Hkv, G, D = len(lens), op.num_kv_heads, op.group_size, op.head_dim
+    width = int(max_kv_len if max_kv_len is not None else lens.max(initial=0))
+    out = np.full((S, Hkv, width), -np.inf)
+    for s in range(S):
+        L = int(lens[s])
+        pos = np.arange(L)
+        pages = np.asarray(page_table[s])[pos // P]
+        keys, vals = K[pages, pos % P], V[pages, pos % P]  # [L, Hkv, D]
+        ts = np.flatnonzero(qs == s)
+        a = np.zeros((Hkv, G, L))
+        for t in ts:
+            n = int(qlen[t])
+            sc = np.einsum("hgd,nhd->hgn", q[t].reshape(Hkv, G, D), keys[:n]) * op.sm_scale
+            p = np.exp(sc - sc.max(axis=-1, keepdims=True))
+            a[:, :, :n] += p / p.sum(axis=-1, keepdims=True)
+        a /= max(1, len(ts))
+        if op.method == "attention":
+            per_head = a
+        elif op.method == "value_norm":
+            per_head = a * np.abs(vals).sum(axis=-1).T[:, None, :]
+        else:
+            o = np.einsum("hgn,nhd->hgd", a, vals)
+            norm = np.sqrt((o * o).sum(axis=-1))
+            proj = np.einsum("nhd,hgd->hgn", vals, o) / np.where(norm > 0, norm, 1.0)[..., None]
+            per_head = np.where(norm[..., None] > 0, a * proj, 0.0)
+        out[s, :, :L] = per_head.mean(axis=1)
+    return out
 
 
 # ---------------------------------------------------------------- layer ops
@@ -347,7 +395,8 @@ def run(op, **arrays):
             extra = dict(num_splits=sig.get("num_splits", 1), fused_merge=sig.get("fused_merge", False))
         op = op.op
     fn = {"paged_attention": paged_attention, "merge_state": merge_state, "reshape_and_cache": reshape_and_cache,
-          "copy_blocks": copy_blocks, "swap_blocks": swap_blocks, "rms_norm": rms_norm, "silu_and_mul": silu_and_mul,
+          "copy_blocks": copy_blocks, "swap_blocks": swap_blocks, "gather_tokens": gather_tokens, "kv_score": kv_score,
+          "rms_norm": rms_norm, "silu_and_mul": silu_and_mul,
           "rope": rope_op, "qkv_rope_cache": qkv_rope_cache, "quant_matmul": quant_matmul, "dequantize": dequantize_op,
           "quantize_rows": quantize_rows}[op.kind]
     return fn(op, **arrays, **extra)

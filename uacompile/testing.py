@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from . import reference
-from .ir import (QUANT_DTYPES, WEIGHT_FORMATS, CopyBlocks, Dequantize, QuantMatmul, MergeState, PagedAttention, QKVRopeCache, ReshapeAndCache, RMSNorm, Rope, SiluAndMul,
+from .ir import (QUANT_DTYPES, WEIGHT_FORMATS, CopyBlocks, Dequantize, GatherTokens, KVScore, QuantMatmul, MergeState, PagedAttention, QKVRopeCache, ReshapeAndCache, RMSNorm, Rope, SiluAndMul,
                  SwapBlocks, numpy_dtype)
 
 
@@ -120,6 +120,43 @@ def swap_blocks_inputs(op: SwapBlocks, rng, num_layers: int, num_src_pages: int,
     if op.quantized:
         d.update(src_scales=ss, dst_scales=ds)
     return d
+
+
+def gather_tokens_inputs(op: GatherTokens, rng, num_layers: int, num_src_pages: int, num_tokens: int,
+                         skip_every: int = 4) -> dict:
+    """Each (layer, KV head) gathers its own random source tokens from the first num_src_pages pages into fresh
+    destination pages after them (never sources), in scattered order; every skip_every-th destination is -1."""
+    P, Hkv, D = op.page_size, op.num_kv_heads, op.head_dim
+    num_dst_pages = -(-num_tokens // P) + 1
+    num_pages = num_src_pages + num_dst_pages
+    kv, scales = random_cache(rng, (num_layers, 2, num_pages, P, Hkv, D), op.kv_dtype)
+    src = np.stack([np.stack([rng.choice(num_src_pages * P, num_tokens, replace=False) for _ in range(Hkv)])
+                    for _ in range(num_layers)]).astype(np.int64)
+    dst = (num_src_pages * P + rng.permutation(num_dst_pages * P)[:num_tokens]).astype(np.int64)
+    if skip_every:
+        dst[::skip_every] = -1
+    d = dict(kv=kv, src_slots=src, dst_slots=dst, num_layers=num_layers, num_pages=num_pages, num_tokens=num_tokens)
+    if op.quantized:
+        d["scales"] = scales
+    return d
+
+
+def kv_score_inputs(op: KVScore, rng, kv_lens, windows, max_kv_len: int | None = None) -> dict:
+    """Sequence s scores kv_lens[s] positions with a window of its last windows[s] queries (0: none); the queries
+    interleave across sequences. Keys and queries are scaled so the softmax is peaked, not uniform."""
+    seq, qlen = [], []
+    for s, (L, w) in enumerate(zip(kv_lens, windows)):
+        seq += [s] * w
+        qlen += list(range(L - w + 1, L + 1))
+    order = rng.permutation(len(seq))
+    seq, qlen = np.array(seq, np.int32)[order], np.array(qlen, np.int32)[order]
+    table, num_pages = scattered_page_table(rng, kv_lens, op.page_size)
+    P, Hkv, D = op.page_size, op.num_kv_heads, op.head_dim
+    return dict(q=random_floats(rng, (len(seq), op.num_q_heads, D), op.q_dtype, 2.0),
+                k_cache=random_floats(rng, (num_pages, P, Hkv, D), op.kv_dtype, 2.0),
+                v_cache=random_floats(rng, (num_pages, P, Hkv, D), op.kv_dtype), query_seq=seq, query_kv_len=qlen,
+                page_table=table, kv_len=np.array(kv_lens, np.int32), num_queries=len(seq), num_pages=num_pages,
+                num_seqs=len(kv_lens), max_pages=table.shape[1], max_kv_len=max_kv_len or max(kv_lens))
 
 
 def merge_state_inputs(op: MergeState, rng, num_tokens: int, empty_fraction: float = 0.2) -> dict:

@@ -352,6 +352,16 @@ def _quantize_rows(op: ir.QuantizeRows, arch: str):
                                             q_type="int8_t" if op.out_dtype == "int8" else "uint8_t")
 
 
+def _kv_score(op: ir.KVScore, arch: str):
+    method = {"andpro": "ua::SCORE_ANDPRO", "attention": "ua::SCORE_ATTENTION", "value_norm": "ua::SCORE_VALUE_NORM"}
+    return "cuda/kv_score.cu.j2", dict(q_type=ir.DTYPES[op.q_dtype].c, kv_type=ir.DTYPES[op.kv_dtype].c,
+                                       method=method[op.method], threads=128, scale_c=_c_float(op.sm_scale))
+
+
+def _gather_tokens(op: ir.GatherTokens, arch: str):
+    return "cuda/gather_tokens.cu.j2", dict(kv_type=ir.DTYPES[op.kv_dtype].c, quantized=op.quantized)
+
+
 CONTEXT_BUILDERS = {
     "reshape_and_cache": _reshape_and_cache,
     "copy_blocks": lambda op, arch: ("cuda/copy_blocks.cu.j2", _page_copy(op)),
@@ -365,6 +375,8 @@ CONTEXT_BUILDERS = {
     "quant_matmul": _quant_matmul,
     "dequantize": _dequantize,
     "quantize_rows": _quantize_rows,
+    "kv_score": _kv_score,
+    "gather_tokens": _gather_tokens,
 }
 
 

@@ -95,7 +95,8 @@ def test_op_from_dict_rejects_unknown():
     with pytest.raises(IRError, match="paged_attention.heads"):
         op_from_dict({"op": "paged_attention", "heads": 3})
     assert set(OPS) == {"paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks", "merge_state", "rms_norm",
-                        "silu_and_mul", "rope", "qkv_rope_cache", "quant_matmul", "dequantize", "quantize_rows"}
+                        "silu_and_mul", "rope", "qkv_rope_cache", "quant_matmul", "dequantize", "quantize_rows",
+                        "gather_tokens", "kv_score"}
 
 
 def test_params_follow_options():
@@ -208,3 +209,18 @@ def test_ir_never_imports_torch():
 
     code = "import sys, uacompile.ir as ir; ir.DTYPES['bf16'].numpy_dtype(); print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_kv_score_and_gather_tokens_fields():
+    from uacompile.ir import GatherTokens, KVScore
+
+    op = KVScore(8, 2, 64, 16, "bf16", "bf16", method="value_norm")
+    assert op.group_size == 4 and [p.name for p in op.tensors()][-1] == "scores"
+    with pytest.raises(IRError, match="kv_score.method"):
+        KVScore(8, 2, 64, method="h2o")
+    with pytest.raises(IRError, match="kv_score.kv_dtype"):
+        KVScore(8, 2, 64, kv_dtype="int8")
+    with pytest.raises(IRError, match="kv_score.num_q_heads"):
+        KVScore(6, 4, 64)
+    assert "scales" in [p.name for p in GatherTokens(8, 128, 16, "int8").tensors()]
+    assert "scales" not in [p.name for p in GatherTokens(8, 128, 16, "bf16").tensors()]

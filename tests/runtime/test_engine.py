@@ -280,3 +280,56 @@ def test_prompt_logprobs_equal_the_reference(setup):
         for e in plp[1:]:
             assert len(e.top) == 2 and e.top[0][1] >= e.top[1][1] and e.rank >= 1
             assert (e.rank == 1) == (e.top[0][0] == e.token_id)
+
+
+# ---- KV eviction ------------------------------------------------------------------------------------
+def test_kv_eviction_gathers_the_chosen_tokens_into_the_new_pages():
+    """The prefill that ends a prompt over budget scores it; the next step's gather puts each (layer, KV head)'s
+    chosen tokens (sink and recent among them) in the new pages, slot by slot, and decoding goes on from there."""
+    from uacompile.runtime.engine import Engine, EngineConfig
+
+    eng = Engine(STORIES260K, EngineConfig(progress=False, log_stats_interval=0), page_size=8, num_pages=64,
+                 max_prefill_chunk=256, kv_sink=2, kv_recent=8, kv_window=16)
+    prompt = list(range(3, 203))
+    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, kv_budget=0.25))
+    seq = eng.requests[rid].seqs[0]
+    eng.step()  # the whole prompt: scored
+    keep = eng.executor.keep[seq.seq_id]
+    L, H, K = eng.model.cfg.num_layers, eng.model.cfg.num_kv_heads, 50
+    assert keep.shape == (L, H, K) and (keep.diff(dim=-1) > 0).all()
+    assert (keep[..., :2] == torch.arange(2)).all() and (keep[..., -8:] == torch.arange(192, 200)).all()
+    old_table, before = list(seq.block_table), eng.executor.kv.clone()
+    eng.step()  # the gather, then the first decode in cache slot 50
+    assert seq.num_evicted == 150 and seq.kv_len == 51 and len(seq.block_table) == 7
+    P, kv = 8, eng.executor.kv
+    for layer in range(L):
+        for g in range(H):
+            src = [old_table[i // P] * P + i % P for i in keep[layer, g].tolist()]
+            dst = [seq.block_table[t // P] * P + t % P for t in range(K)]
+            got = kv[layer, :, :, :, g].reshape(2, -1, kv.shape[-1])[:, dst]
+            want = before[layer, :, :, :, g].reshape(2, -1, kv.shape[-1])[:, src]
+            assert torch.equal(got, want)
+    eng.run_until_done()
+    assert len(eng.output(rid).outputs[0].token_ids) == 5 and eng.scheduler.kv.num_free_pages == 64
+
+
+@pytest.mark.parametrize("method", ["andpro", "attention", "value_norm"])
+def test_kv_budget_methods_run_and_a_budget_over_the_prompt_changes_nothing(method):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = PROMPTS[4]
+    full = LLM(STORIES260K, progress=False, kv_evict_method=method).generate([prompt], params)[0]
+    llm = LLM(STORIES260K, progress=False, kv_evict_method=method, kv_sink=2, kv_recent=4)
+    same = llm.generate([prompt], replace(params, kv_budget=1000))[0]
+    assert same.outputs[0].token_ids == full.outputs[0].token_ids
+    assert llm.engine.scheduler.num_evictions == 0
+    cut = llm.generate([prompt], replace(params, kv_budget=8))[0]
+    assert len(cut.outputs[0].token_ids) == 12 and llm.engine.scheduler.num_evictions >= 1
+
+
+def test_kv_budget_needs_a_float_cache():
+    from uacompile.runtime.engine import Engine, EngineConfig
+
+    with pytest.raises(ValueError, match="kv_budget: KV eviction is not available here: the KV cache is int8"):
+        Engine(STORIES260K, EngineConfig(progress=False, kv_cache_dtype="int8"), kv_budget=0.5)
+    with pytest.raises(ValueError, match="kv_budget must be"):
+        SamplingParams(kv_budget=1.5)

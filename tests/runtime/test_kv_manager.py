@@ -357,3 +357,36 @@ def test_fragmentation_agrees_with_a_scan_of_every_page(rng):
         got = kv.fragmentation()
         assert got[1] == want[1] and got[0] == pytest.approx(want[0]), step
         kv.check_invariants()
+
+
+def test_evict_moves_into_fresh_pages_and_frees_the_old_after_the_step():
+    kv = KVManager(12, 4)
+    a = make_seq(0, range(1, 19))
+    assert kv.allocate_slots(a, 18) == []
+    a.num_computed_tokens = 18
+    kv.register_full_pages(a)
+    b = make_seq(1, range(1, 19))
+    kv.fork(a, b)  # b shares every page: eviction must only read them
+    old = list(a.block_table)
+    assert kv.evict(a, 6) == (old, a.block_table)
+    assert len(a.block_table) == 2 and not set(old) & set(a.block_table) and a.kv_len == 6 and a.num_evicted == 12
+    assert all(kv.ref_count[p] == 1 for p in old)  # b's holds
+    kv.free(b)
+    assert kv.num_free_pages == 12 - 2 - 5 and set(old) <= set(kv.deferred)  # read by this step's gather
+    kv.end_step()
+    assert kv.num_free_pages == 10 and all(p in kv.lru or p in kv.free_pages for p in old)
+    kv.register_full_pages(a)  # an evicted sequence's pages never hold its prefix
+    assert not set(a.block_table) & set(kv.page_to_hash) and kv.computed_page_hashes(a) == []
+    kv.check_invariants()
+    with pytest.raises(ValueError, match="keep must be in"):
+        kv.evict(a, 6)
+
+
+def test_evict_without_pages_changes_nothing():
+    kv = KVManager(5, 4, enable_prefix_caching=False)
+    a = make_seq(0, range(1, 20))
+    kv.allocate_slots(a, 19)
+    a.num_computed_tokens = 19
+    table = list(a.block_table)
+    assert kv.evict(a, 8) is None and a.block_table == table and a.num_evicted == 0
+    kv.check_invariants()

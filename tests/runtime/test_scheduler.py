@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from uacompile.runtime.offload import SyncCopies
 from uacompile.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from uacompile.runtime.sequence import SamplingParams, Sequence, SequenceStatus
+from uacompile.runtime.step import host_step
 
 VOCAB, OUT_VOCAB, EOS, POISON = 6, 16, 0, -1  # small prompt vocabulary: prefixes repeat
 
@@ -433,3 +434,213 @@ def test_sequence_basics():
     assert (s.num_tokens, s.output_token_ids, s.num_output_tokens, s.params.stop) == (3, [7], 1, ["x"])
     with pytest.raises(ValueError, match="num_prompt_tokens"):
         Sequence(1, [], 0, SamplingParams())
+
+
+# ---- KV eviction ------------------------------------------------------------------------------------
+class EvictingExecutor(FakeExecutor):
+    """FakeExecutor with KV eviction: a scored sequence keeps its sink and recent slots and random others (one choice
+    for every layer and head here), the gather moves their fake values, and every attention read checks that the
+    cache holds exactly the kept positions followed by the new ones."""
+
+    def __init__(self, cfg: SchedulerConfig, rng):
+        super().__init__(cfg)
+        self.cfg, self.rng = cfg, rng
+        self.cached: dict[int, list[int]] = {}  # seq_id -> the token position each cache slot holds
+        self.choice: dict[int, list[int]] = {}  # seq_id -> cache slots the last scores kept
+
+    def execute(self, batch: ScheduledBatch) -> dict[int, int]:
+        P = self.P
+        for ev in batch.evictions:  # first: the old pages are read before anything reuses them
+            keep = self.choice[ev.seq_id]
+            assert len(keep) == ev.keep and not set(ev.old_pages) & set(ev.new_pages)
+            vals = [self.dev[ev.old_pages[c // P], c % P] for c in keep]
+            for t, v in enumerate(vals):
+                self.dev[ev.new_pages[t // P], t % P] = v
+            self.cached[ev.seq_id] = [self.cached[ev.seq_id][c] for c in keep]
+        self.choice.clear()
+        assert not (batch.evictions and batch.moves)
+        for d, c in batch.swap_out:
+            self.cpu[c] = self.dev[d]
+        for c, d in batch.swap_in:
+            self.dev[d] = self.cpu[c]
+        if batch.copies:
+            src, dst = np.array(batch.copies).T
+            self.dev[dst] = self.dev[src]
+        if batch.moves:
+            src, dst = np.array(batch.moves).T
+            self.dev[dst] = self.dev[src]
+        sampled = {}
+        for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
+            held = self.cached.get(seq.seq_id, []) if seq.num_evicted else list(range(seq.num_computed_tokens))
+            assert len(held) == seq.kv_len
+            new = list(range(seq.num_computed_tokens, seq.num_computed_tokens + n))
+            for p in new:
+                c = p - seq.num_evicted
+                self.dev[seq.block_table[c // P], c % P] = slot_value(seq.token_ids[:p + 1])
+            held = held + new
+            seen = [self.dev[seq.block_table[c // P], c % P] for c in range(len(held))]
+            assert seen == [slot_value(seq.token_ids[:p + 1]) for p in held], f"seq {seq.seq_id} read bad KV"
+            self.cached[seq.seq_id] = held
+            if sample:
+                sampled[seq.seq_id] = next_token(seq.params.seed, seen)
+        c = self.cfg
+        for i, keep in batch.score:
+            L = len(self.cached[batch.seqs[i].seq_id])
+            middle = self.rng.permutation(np.arange(c.kv_sink, L - c.kv_recent))[:keep - c.kv_sink - c.kv_recent]
+            self.choice[batch.seqs[i].seq_id] = sorted([*range(c.kv_sink), *middle.tolist(), *range(L - c.kv_recent, L)])
+        return sampled
+
+
+def run_evicting(cfg, requests, rng, max_steps=3000):
+    sched, ex = Scheduler(cfg), EvictingExecutor(cfg, rng)
+    seqs = []
+    for i, (prompt, params, prio) in enumerate(requests):
+        s = Sequence(i, list(prompt), len(prompt), params, priority=prio)
+        sched.add(s)
+        seqs += [s] + (sched.fork(s, params.n, [1000 * (i + 1) + k for k in range(params.n - 1)]) if params.n > 1 else [])
+    steps = 0
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert not batch.is_empty
+        for s in batch.seqs:
+            b = s.params.budget_tokens(s.num_prompt_tokens, cfg.kv_budget)
+            if s.num_evicted and b is not None:  # an evicted sequence stays within budget + slack (or was refused)
+                assert s.kv_len <= b + cfg.kv_slack or sched.evictions_refused
+        sched.update(batch, ex.execute(batch))
+        sched.kv.check_invariants()
+        steps += 1
+        assert steps < max_steps
+    assert sched.kv.num_free_pages == cfg.num_pages and not sched.kv.owners
+    return sched, seqs
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("seed", range(4))
+def test_eviction_reads_exactly_the_kept_tokens(seed, preemption):
+    """Random workloads with shared prefixes, forks and preemption under a budget: every read sees the kept
+    positions then the new ones, pages come back, and evicted sequences stay within budget + slack."""
+    rng = np.random.default_rng(seed)
+    cfg = SchedulerConfig(max_num_batched_tokens=48, max_prefill_chunk=24, num_pages=40, page_size=4,
+                          preemption=preemption, num_cpu_pages=40, kv_budget=0.5, kv_sink=2, kv_recent=6,
+                          kv_slack=8)
+    reqs = []
+    for _ in range(8):
+        prompt = [1, 2, 3, 4, 5, 1, 2, 3] + rng.integers(1, VOCAB + 1, size=int(rng.integers(12, 60))).tolist()
+        reqs.append((prompt, SamplingParams(max_tokens=int(rng.integers(1, 30)), ignore_eos=True, seed=1,
+                                            n=int(rng.integers(1, 3)), kv_budget=[None, 16, 0.3][int(rng.integers(3))]),
+                     0))
+    sched, _ = run_evicting(cfg, reqs, rng)
+    assert sched.num_evictions > 0 and sched.evicted_tokens > 0
+
+
+def test_eviction_at_prompt_end_frees_pages_and_keeps_positions():
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=64, num_pages=32, page_size=4, kv_sink=2,
+                          kv_recent=4, kv_slack=8)
+    sched, ex = Scheduler(cfg), EvictingExecutor(cfg, np.random.default_rng(0))
+    s = Sequence(0, list(range(1, 41)), 40, SamplingParams(max_tokens=20, ignore_eos=True, kv_budget=12))
+    sched.add(s)
+    batch, _ = step(sched, ex)
+    assert batch.score == [(0, 12)] and len(s.block_table) == 10
+    batch = sched.schedule()  # the gather, then the first decode: position 40 in cache slot 12
+    assert [e.keep for e in batch.evictions] == [12] and s.num_evicted == 28 and s.kv_len == 12
+    assert len(s.block_table) == 4 and sched.kv.num_free_pages == 32 - 4 - 10  # the old pages: read this step
+    hs = host_step(batch, cfg.page_size)
+    assert hs.positions.tolist() == [40] and hs.token_kv_len.tolist() == [13]
+    assert hs.slot_mapping.tolist() == [s.block_table[3] * 4 + 0]
+    sched.update(batch, ex.execute(batch))
+    assert sched.kv.num_free_pages == 32 - 4  # ... and back in the pool once the step ran
+    while not batch.score:
+        batch, _ = step(sched, ex)
+    assert s.kv_len == 12 + cfg.kv_slack + 1  # past budget + slack: scored again ...
+    batch, _ = step(sched, ex)
+    assert batch.evictions and s.kv_len == 13  # ... and back to the budget
+
+
+def test_budget_below_sink_and_recent_never_evicts():
+    cfg = SchedulerConfig(num_pages=32, page_size=4, kv_sink=4, kv_recent=32, kv_budget=20)
+    sched, ex = Scheduler(cfg), FakeExecutor(cfg)
+    sched.add(seq(0, 60, max_tokens=3))
+    while sched.has_unfinished():
+        batch, _ = step(sched, ex)
+        assert not batch.score and not batch.evictions
+
+
+def test_eviction_without_free_pages_keeps_the_full_cache():
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=64, num_pages=11, page_size=4, kv_sink=2,
+                          kv_recent=4, enable_prefix_caching=False)
+    sched, ex = Scheduler(cfg), EvictingExecutor(cfg, np.random.default_rng(0))
+    s = Sequence(0, list(range(1, 41)), 40, SamplingParams(max_tokens=3, ignore_eos=True, kv_budget=12))
+    sched.add(s)
+    batch, _ = step(sched, ex)
+    assert batch.score and sched.kv.num_free_pages == 1  # 3 pages needed for the kept tokens
+    batch, _ = step(sched, ex)
+    assert not batch.evictions and s.num_evicted == 0 and sched.evictions_refused == 1
+    while sched.has_unfinished():
+        step(sched, ex)
+
+
+def test_eviction_reads_shared_prefix_pages_and_leaves_them_cached():
+    """A prefix-cache hit shares the first pages: the evicted sequence only reads them; a later request with the
+    same prefix still hits the cache and reads the right values (the fake checks every read)."""
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=64, num_pages=40, page_size=4, kv_sink=2,
+                          kv_recent=4)
+    sched, ex = Scheduler(cfg), EvictingExecutor(cfg, np.random.default_rng(1))
+    prefix = list(range(1, 25))
+    a = Sequence(0, prefix + [30, 31], 26, SamplingParams(max_tokens=6, ignore_eos=True))
+    sched.add(a)
+    step(sched, ex)
+    b = Sequence(1, prefix + [40, 41, 42], 27, SamplingParams(max_tokens=4, ignore_eos=True, kv_budget=10))
+    sched.add(b)
+    batch, _ = step(sched, ex)
+    shared = [p for p in b.block_table if p in a.block_table]
+    assert len(shared) == 6 and batch.score
+    batch, _ = step(sched, ex)
+    assert batch.evictions and not set(b.block_table) & set(a.block_table)
+    assert all(sched.kv.ref_count[p] == 1 and p in sched.kv.page_to_hash for p in shared)
+    while sched.has_unfinished():
+        step(sched, ex)
+    c = Sequence(2, prefix + [50], 25, SamplingParams(max_tokens=2, ignore_eos=True))
+    sched.add(c)
+    step(sched, ex)
+    assert c.num_cached_tokens == 24
+    while sched.has_unfinished():
+        step(sched, ex)
+
+
+# ---- policies under memory pressure -------------------------------------------------------------------
+def test_sjf_ranks_by_expected_remaining_work():
+    cfg = SchedulerConfig(policy="sjf", max_num_batched_tokens=64, max_num_seqs=1, num_pages=64, page_size=4)
+    sched = Scheduler(cfg)
+    sched.add(seq(0, 3, max_tokens=100, arrival=0))  # short prompt, long answer: 103 tokens of work
+    sched.add(seq(1, 10, max_tokens=2, arrival=1))   # 12
+    sched.add(seq(2, 6, max_tokens=30, arrival=2))   # 36
+    assert [s.seq_id for s in sched.ordered_waiting()] == [1, 2, 0]
+    assert Scheduler.remaining_work(sched.waiting[0]) == 103
+
+
+def test_priority_preempts_a_running_lower_priority_sequence_for_a_waiting_higher_one():
+    cfg = SchedulerConfig(policy="priority", max_num_batched_tokens=64, num_pages=6, page_size=4)
+    sched, ex = Scheduler(cfg), FakeExecutor(cfg)
+    low = seq(0, 16, max_tokens=9, priority=5, arrival=0)
+    sched.add(low)
+    step(sched, ex)
+    assert low.status is SequenceStatus.RUNNING and sched.kv.num_free_pages == 2  # high needs 3
+    high = seq(1, 12, max_tokens=3, priority=0, arrival=1)
+    sched.add(high)
+    batch, _ = step(sched, ex)
+    assert [s.seq_id for s in batch.seqs] == [1] and low.status is SequenceStatus.WAITING
+    assert low.num_preemptions == 1 and high.num_preemptions == 0
+    same = seq(2, 12, max_tokens=3, priority=5, arrival=2)  # equal priority never preempts
+    sched.add(same)
+    while high.status is SequenceStatus.RUNNING:
+        step(sched, ex)
+    assert same.num_preemptions == 0 and sched.num_preemptions == 1
+
+
+def test_prefix_policy_groups_short_requests_by_length_class():
+    cfg = SchedulerConfig(policy="prefix", max_num_batched_tokens=64, num_pages=64, page_size=8)
+    sched = Scheduler(cfg)
+    lengths = [(3, 4), (2, 100), (4, 3), (3, 120), (5, 2)]  # (prompt, max_tokens): classes 3, 7, 3, 7, 3
+    for i, (n, m) in enumerate(lengths):
+        sched.add(seq(i, n, max_tokens=m, arrival=i))
+    assert [s.seq_id for s in sched.ordered_waiting()] == [0, 2, 4, 1, 3]

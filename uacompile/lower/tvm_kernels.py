@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..ir import OpSpec, as_kernel
-from . import tvm_attention, tvm_cache_ops, tvm_layer_ops, tvm_quant
+from . import tvm_attention, tvm_cache_ops, tvm_evict, tvm_layer_ops, tvm_quant
 
 # source files whose text is part of every kernel's cache key
 GENERATOR_FILES = [Path(__file__).with_name(n)
                    for n in ("tvm_kernels.py", "tvm_tir.py", "tvm_attention.py", "tvm_cache_ops.py", "tvm_layer_ops.py",
-                             "tvm_quant.py")]
+                             "tvm_quant.py", "tvm_evict.py")]
 
 TARGETS = ("cpu", "cuda")
 
@@ -34,7 +34,8 @@ def prim_func(op, target: str = "cpu"):
            "copy_blocks": tvm_cache_ops.copy_blocks, "swap_blocks": tvm_cache_ops.swap_blocks,
            "merge_state": tvm_cache_ops.merge_state, "rms_norm": tvm_layer_ops.rms_norm,
            "silu_and_mul": tvm_layer_ops.silu_and_mul, "rope": tvm_layer_ops.rope,
-           "quant_matmul": tvm_quant.quant_matmul, "dequantize": tvm_quant.dequantize}[kernel.kind]
+           "quant_matmul": tvm_quant.quant_matmul, "dequantize": tvm_quant.dequantize,
+           "gather_tokens": tvm_evict.gather_tokens, "kv_score": tvm_evict.kv_score}[kernel.kind]
     arg = kernel if kernel.kind in ("paged_attention", "reshape_and_cache", "quant_matmul", "dequantize") else kernel.op
     return finalize(gen(arg, target == "cuda"), kernel)
 

@@ -171,6 +171,10 @@ template __global__ void ua::quantize_rows_kernel<ua::bf16, uint8_t, 4096, 8, 12
 template __global__ void ua::quantize_rows_kernel<half, int8_t, 27, 1, 32>(const half*, int8_t*, float*);
 template __global__ void ua::quantize_rows_kernel<float, uint8_t, 12288, 4, 768>(const float*, uint8_t*, float*);
 """,
+    "kv_evict.cuh": "template struct ua::KVScore<ua::bf16, ua::bf16, 128, 16, 8, 4, ua::SCORE_ANDPRO, 128>;\n"
+                    "template struct ua::KVScore<half, float, 80, 4, 2, 3, ua::SCORE_VALUE_NORM, 64>;\n"
+                    "template __device__ void ua::gather_tokens<uint8_t, 128, 16, 8, true>(uint8_t*, float*, "
+                    "const int64_t*, const int64_t*, int64_t, int64_t, int64_t);\n",
     "hopper.cuh": """
 __global__ void hopper_kernel(float* out) {
 #if __CUDA_ARCH__ >= 900
