@@ -5,6 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from .structured import Guide
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()   # not yet admitted, or preempted by recompute
@@ -30,7 +32,8 @@ def _is_number(v) -> bool:
 class SamplingParams:
     """Per-request sampling knobs (vLLM's names). top_k = 0, top_p = 1, min_p = 0 and the neutral
     penalties (0, 0, 1) mean "off". logprobs = k returns the chosen token's log-probability and the
-    k most likely (None: none); logit_bias maps token id -> value added to its logit."""
+    k most likely (None: none); logit_bias maps token id -> value added to its logit; guided (a structured.Guide)
+    holds the output to a JSON schema, regex, choice or grammar."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -50,6 +53,7 @@ class SamplingParams:
     min_tokens: int = 0                       # no EOS, stop token or stop string ends it before this many tokens
     include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
     prompt_logprobs: int | None = None        # k: each prompt token's log-probability and the k most likely
+    guided: Guide | None = None               # structured output: the output is held to this constraint
 
     def __post_init__(self):
         def number_in(name, lo, hi, lo_open=False, hi_text=None):
@@ -98,6 +102,8 @@ class SamplingParams:
                              f"got {self.prompt_logprobs!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.guided is not None and not isinstance(self.guided, Guide):
+            raise ValueError(f"guided must be a structured.Guide or None, got {type(self.guided).__name__}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
 
@@ -109,7 +115,7 @@ class SamplingParams:
     def argmax_only(self) -> bool:
         """Greedy with nothing applied to the logits first and no log-probabilities asked: the token is the argmax."""
         return (self.greedy and not self.logit_bias and not self.has_penalties and self.logprobs is None
-                and not self.min_tokens)
+                and not self.min_tokens and self.guided is None)
 
     @property
     def has_penalties(self) -> bool:
