@@ -261,7 +261,8 @@ class Engine:
         self._ids = itertools.count()
         self.async_scheduling = ec.device == "cuda" if ec.async_scheduling is None else ec.async_scheduling
         self._inflight: InFlight | None = None
-        self._guides: GuideStates | None = None  # structured output's matchers (made with the first guide)
+        # structured output: compiled guides and one matcher per guided sequence (llguidance loads on first use)
+        self._guides = GuideStates(Grammars(self.tokenizer, self.model.cfg.vocab_size, self.model.cfg.eos_token_ids))
 
     # ---- construction ---------------------------------------------------------------------------
     @staticmethod
@@ -339,16 +340,13 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------
     @property
     def grammars(self) -> Grammars:
-        """The tokenizer's compiled structured-output guides (made on first use; ValueError without a tokenizer)."""
-        if self._guides is None:
-            self._guides = GuideStates(Grammars(self.tokenizer, self.model.cfg.vocab_size,
-                                                self.model.cfg.eos_token_ids))
+        """The tokenizer's compiled structured-output guides."""
         return self._guides.grammars
 
     @property
     def num_guided(self) -> int:
         """Sequences holding a structured-output matcher (released when they finish or are aborted)."""
-        return len(self._guides) if self._guides is not None else 0
+        return len(self._guides)
 
     def compile_guide(self, guide: Guide) -> None:
         """Compile a guide into the cache now (ValueError, one line, where it does not compile); thread-safe, so a
@@ -440,7 +438,7 @@ class Engine:
             launched = None
             if not batch.is_empty:
                 masks = None  # the guided sequences' next-token masks, computed while the step runs
-                if self._guides is not None and len(self._guides):
+                if len(self._guides):
                     masks = self._guides.fill([s for s, smp in zip(batch.seqs, batch.sample) if smp])
                 with tr.span("execute", "scheduler", seqs=len(batch.seqs), tokens=batch.num_tokens):
                     seqs, logits = self.executor.execute(batch, prev.pending.tokens if prev else None)
@@ -483,7 +481,7 @@ class Engine:
         out, done = StepOutput(), {}
         for seq in seqs:
             # a guided sequence's matcher takes the token; a grammar that allows nothing more ends the output
-            complete = self._guides is not None and self._guides.advance(seq.seq_id, sampled.tokens[seq.seq_id])
+            complete = self._guides.advance(seq.seq_id, sampled.tokens[seq.seq_id])
             reason = None if seq.is_finished else (self._stop_reason(seq) or ("stop" if complete else None))
             if reason is not None:
                 self.scheduler.finish(seq, reason)
@@ -538,8 +536,7 @@ class Engine:
     def _finalize(self, seq: Sequence) -> None:
         """Final text: decoded output, cut at the first stop string."""
         self.sampler.release(seq)
-        if self._guides is not None:
-            self._guides.release(seq.seq_id)
+        self._guides.release(seq.seq_id)
         req, _ = self._seq_request[seq.seq_id]
         text = ""
         if self.tokenizer is not None:

@@ -85,6 +85,37 @@ class Guide:
         return self.kind if not self.spec else f"{self.kind} ({len(self.spec)} characters)"
 
 
+def from_request(response_format: dict | None = None, guided_json=None, guided_regex: str | None = None,
+                 guided_choice: list | None = None, guided_grammar: str | None = None) -> tuple[Guide | None, str | None]:
+    """The guide of an OpenAI / vLLM request's fields (response_format {"type": "text" | "json_object" |
+    "json_schema", "json_schema": {"schema": ...}}, guided_json, guided_regex, guided_choice, guided_grammar) and the
+    field it came from; ValueError (one line) for a malformed one or for more than one."""
+    given = [(name, v) for name, v in (("guided_json", guided_json), ("guided_regex", guided_regex),
+                                       ("guided_choice", guided_choice), ("guided_grammar", guided_grammar))
+             if v is not None]
+    if response_format is not None and response_format.get("type") != "text":
+        given.insert(0, ("response_format", response_format))
+    if len(given) > 1:
+        raise ValueError(f"give one of response_format, guided_json, guided_regex, guided_choice and guided_grammar; "
+                         f"got {', '.join(n for n, _ in given)}")
+    if not given:
+        return None, None
+    name, v = given[0]
+    if name == "response_format":
+        kind = v.get("type")
+        if kind == "json_object":
+            return Guide.json_object(), name
+        if kind != "json_schema":
+            raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+        schema = (v.get("json_schema") or {}).get("schema")
+        if schema is None:
+            raise ValueError("response_format json_schema needs json_schema.schema")
+        return Guide.json_schema(schema), name
+    make = {"guided_json": Guide.json_schema, "guided_regex": Guide.regex, "guided_choice": Guide.choice,
+            "guided_grammar": Guide.grammar}[name]
+    return make(v), name
+
+
 def _llguidance():
     try:
         import llguidance
@@ -122,8 +153,6 @@ class Grammars:
     a fresh copy of the compiled matcher. vocab_size is the logits' width; eos_token_ids end an accepted output."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, capacity: int = 64):
-        if tokenizer is None:
-            raise ValueError("structured output needs the model's tokenizer")
         self.tokenizer, self.vocab_size, self.capacity = tokenizer, vocab_size, capacity
         self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
         self._lock = threading.Lock()
@@ -133,6 +162,8 @@ class Grammars:
 
     def ll_tokenizer(self):
         """llguidance's view of the tokenizer (built on first use: about 0.2 s for a 49k vocabulary)."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer; this model has none")
         with self._lock:
             if self._ll is None:
                 self._ll = _ll_tokenizer(_llguidance(), self.tokenizer, self.vocab_size, self.eos_token_ids)
