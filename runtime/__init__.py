@@ -8,6 +8,7 @@ with no set-up; for the rest set a level, e.g. logging.basicConfig(level=logging
 logging.getLogger("uacompile").setLevel(logging.DEBUG) beside a handler of your own.
 """
 from .sequence import SamplingParams
+from .structured import Guide
 from .llm import LLM, CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "Guide", "RequestOutput", "CompletionOutput"]

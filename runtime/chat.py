@@ -7,6 +7,7 @@ from datetime import datetime
 from functools import lru_cache
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .tokenizer import Tokenizer
@@ -30,14 +31,31 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-@lru_cache(maxsize=8)
-def _compile(source: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return env
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    return _environment().from_string(source)
+
+
+@lru_cache(maxsize=8)
+def _variables(source: str) -> frozenset:
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
+    except jinja2.exceptions.TemplateError:
+        return frozenset()
+
+
+def template_names(tokenizer: Tokenizer) -> frozenset:
+    """The names the model's chat template reads from its context ("messages", "tools", ...)."""
+    return _variables(tokenizer.chat_template or FALLBACK_TEMPLATE)
 
 
 def message_text(content) -> str:
@@ -53,8 +71,10 @@ def message_text(content) -> str:
     raise ValueError(f"messages: content must be a string or a list of text parts, got {type(content).__name__}")
 
 
-def render(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The prompt text for `messages` ([{'role': ..., 'content': ...}, ...])."""
+def render(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+           tools: list[dict] | None = None) -> str:
+    """The prompt text for `messages` ([{'role': ..., 'content': ...}, ...]); tools (OpenAI's tool objects) go to the
+    template as transformers passes them."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     clean = []
@@ -65,7 +85,7 @@ def render(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bo
     source = tokenizer.chat_template or FALLBACK_TEMPLATE
     try:
         return _compile(source).render(messages=clean, add_generation_prompt=add_generation_prompt,
-                                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, tools=None)
+                                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, tools=tools)
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"chat template: {e}") from None
 

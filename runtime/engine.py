@@ -5,7 +5,8 @@ tokens (with log-probabilities when asked), which a streaming front end forwards
 
 Stop conditions: max_tokens (the scheduler's), EOS unless ignore_eos, stop_token_ids, stop
 strings (output text is cut where the stop string begins, or after it with include_stop_str_in_output);
-none but max_tokens before min_tokens tokens (the sampler masks EOS and the stop tokens until then).
+none but max_tokens before min_tokens tokens (the sampler masks EOS and the stop tokens until then); a
+guided request's grammar once it allows nothing more (finish reason "stop", whatever min_tokens says).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from .quant import QUANTIZATIONS
 from .sampling import PendingSample, Sampler, TokenLogprob
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
+from .structured import Grammars, Guide, GuideStates
 from .trace import NullTracer, TracedKernels
 
 log = logging.getLogger("uacompile.runtime")
@@ -96,8 +98,9 @@ class InFlight:
 
     @property
     def needs_history(self) -> bool:
-        """A sequence of it uses penalties: the next step's sampler reads its tokens on the host."""
-        return any(s.params.has_penalties for s in self.pending.seqs)
+        """A sequence of it uses penalties (the next step's sampler reads its tokens on the host) or a grammar (its
+        next mask follows from this step's token)."""
+        return any(s.params.has_penalties or s.params.guided is not None for s in self.pending.seqs)
 
 
 @dataclass
@@ -263,6 +266,8 @@ class Engine:
         self.async_scheduling = ec.device == "cuda" if ec.async_scheduling is None else ec.async_scheduling
         self._inflight: InFlight | None = None
         self.on_execute = None  # on_execute(batch): called before each batch runs (tests inject faults with it)
+        # structured output: compiled guides and one matcher per guided sequence (llguidance loads on first use)
+        self._guides = GuideStates(Grammars(self.tokenizer, self.model.cfg.vocab_size, self.model.cfg.eos_token_ids))
 
     def check_eviction(self) -> None:
         """ValueError (one line) where KV eviction (a kv_budget) cannot run on this engine."""
@@ -350,6 +355,21 @@ class Engine:
         self.executor.kernels = TracedKernels(self.kernels, tracer)
 
     # ---- requests -------------------------------------------------------------------------------
+    @property
+    def grammars(self) -> Grammars:
+        """The tokenizer's compiled structured-output guides."""
+        return self._guides.grammars
+
+    @property
+    def num_guided(self) -> int:
+        """Sequences holding a structured-output matcher (released when they finish or are aborted)."""
+        return len(self._guides)
+
+    def compile_guide(self, guide: Guide) -> None:
+        """Compile a guide into the cache now (ValueError, one line, where it does not compile); thread-safe, so a
+        server runs it off its event loop before add_request finds it compiled."""
+        self.grammars.compile(guide)
+
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -376,6 +396,8 @@ class Engine:
         params.check_vocab(self.model.cfg.vocab_size)
         if params.kv_budget is not None:
             self.check_eviction()
+        if params.guided is not None:
+            self.compile_guide(params.guided)
         rid = next(self._ids)
         req = Request(rid, text, ids, params)
         seq = Sequence(rid, list(ids), len(ids), params, priority=priority)
@@ -383,6 +405,8 @@ class Engine:
         req.seqs = [seq] + (self.scheduler.fork(seq, params.n) if params.n > 1 else [])
         for i, s in enumerate(req.seqs):
             self._seq_request[s.seq_id] = (req, i)
+            if params.guided is not None:
+                self._guides.add(s.seq_id, params.guided)
         self.requests[rid] = req
         self.tracer.instant("add_request", "request", request_id=rid, prompt_tokens=len(ids), n=params.n)
         return rid
@@ -453,10 +477,13 @@ class Engine:
             if not batch.is_empty:
                 if self.on_execute is not None:
                     self.on_execute(batch)
+                masks = None  # the guided sequences' next-token masks, computed while the step runs
+                if len(self._guides):
+                    masks = self._guides.fill([s for s, smp in zip(batch.seqs, batch.sample) if smp])
                 with tr.span("execute", "scheduler", seqs=len(batch.seqs), tokens=batch.num_tokens):
                     seqs, logits = self.executor.execute(batch, prev.pending.tokens if prev else None)
                 with tr.span("sample", "scheduler", seqs=len(seqs)):
-                    launched = InFlight(batch, self.sampler.launch(seqs, logits))
+                    launched = InFlight(batch, self.sampler.launch(seqs, logits, masks))
             if prev is not None:
                 out = self._commit(prev)
             if launched is not None:
@@ -493,7 +520,9 @@ class Engine:
     def _collect(self, seqs: list[Sequence], sampled) -> StepOutput:
         out, done = StepOutput(), {}
         for seq in seqs:
-            reason = None if seq.is_finished else self._stop_reason(seq)
+            # a guided sequence's matcher takes the token; a grammar that allows nothing more ends the output
+            complete = self._guides.advance(seq.seq_id, sampled.tokens[seq.seq_id])
+            reason = None if seq.is_finished else (self._stop_reason(seq) or ("stop" if complete else None))
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             req, index = self._seq_request[seq.seq_id]
@@ -547,6 +576,7 @@ class Engine:
     def _finalize(self, seq: Sequence) -> None:
         """Final text: decoded output, cut at the first stop string."""
         self.sampler.release(seq)
+        self._guides.release(seq.seq_id)
         req, _ = self._seq_request[seq.seq_id]
         text = ""
         if self.tokenizer is not None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .engine import CompletionOutput, Engine, EngineConfig, RequestOutput
 from .sequence import SamplingParams
+from .structured import Guide
 
 ENGINE_OPTIONS = {f.name for f in fields(EngineConfig)}
 
@@ -68,4 +69,4 @@ class LLM:
         return outs
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "Guide", "RequestOutput", "CompletionOutput"]

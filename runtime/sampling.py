@@ -7,7 +7,8 @@ waits for them in result(). sample() is both in one call.
 
 Order per row: logit_bias, min_tokens (EOS unless ignore_eos, and stop_token_ids, masked to -inf while
 the output is shorter), penalties (repetition over prompt + output, presence and frequency over
-output), then greedy rows take the argmax; the others are divided by their temperature, softmaxed,
+output), the structured-output token mask (-inf where the row's grammar allows no token: a bitmask from
+structured.GuideStates, unpacked and applied on the logits' device), then greedy rows take the argmax; the others are divided by their temperature, softmaxed,
 filtered by top-k, top-p and min-p, and sampled by the exponential race argmax(p / q),
 q ~ Exp(1). Each sequence draws q from its own torch.Generator (seeded by SamplingParams.seed, else
 from the sampler's seed stream), one draw per token, and every op is row-wise, so a seeded request
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sequence import Sequence
+from .structured import MaskJob, apply_token_bitmask
 
 
 @dataclass(slots=True)
@@ -200,14 +202,14 @@ class Sampler:
     def release(self, seq: Sequence) -> None:
         self._generators.pop(seq.seq_id, None)
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, masks: MaskJob | None = None) -> SamplerOutput:
         """logits [N, V] (row i for seqs[i]) -> the sampled token of every sequence, and log-probs of
-        those whose request asks for them."""
-        return self.launch(seqs, logits).result()
+        those whose request asks for them. masks: the guided sequences' token bitmask (structured.GuideStates.fill)."""
+        return self.launch(seqs, logits, masks).result()
 
-    def launch(self, seqs: list[Sequence], logits: torch.Tensor) -> PendingSample:
+    def launch(self, seqs: list[Sequence], logits: torch.Tensor, masks: MaskJob | None = None) -> PendingSample:
         """Queue sample() on the logits' device; result() on what it returns waits for the ids. Reads the
-        sequences' tokens on the host only for penalties."""
+        sequences' tokens on the host only for penalties; waits for the grammar masks' worker when given one."""
         dev = logits.device
         if not seqs:
             return PendingSample([], torch.empty(0, dtype=torch.int64, device=dev),
@@ -217,6 +219,9 @@ class Sampler:
             return PendingSample(list(seqs), tokens, {"tokens": tokens}, [], None)
         raw = logits.float()
         x = apply_penalties(apply_min_tokens(apply_logit_bias(raw, seqs), seqs, self.eos_token_ids), seqs)
+        bitmask = masks.for_batch(seqs, dev) if masks is not None else None
+        if bitmask is not None:
+            x = apply_token_bitmask(x, bitmask)
         greedy = [s.params.greedy for s in seqs]
         tokens = torch.argmax(x, dim=-1)  # first index among ties
         if not all(greedy):

@@ -5,6 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from .structured import Guide
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()   # not yet admitted, or preempted by recompute
@@ -30,7 +32,8 @@ def _is_number(v) -> bool:
 class SamplingParams:
     """Per-request sampling knobs (vLLM's names). top_k = 0, top_p = 1, min_p = 0 and the neutral
     penalties (0, 0, 1) mean "off". logprobs = k returns the chosen token's log-probability and the
-    k most likely (None: none); logit_bias maps token id -> value added to its logit."""
+    k most likely (None: none); logit_bias maps token id -> value added to its logit; guided (a structured.Guide)
+    holds the output to a JSON schema, regex, choice or grammar."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -52,6 +55,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None        # k: each prompt token's log-probability and the k most likely
     kv_budget: int | float | None = None      # KV eviction: tokens of cache kept (int) or a share of the prompt
     #                                           (float in (0, 1]); None: the engine's default (no eviction)
+    guided: Guide | None = None               # structured output: the output is held to this constraint
 
     def __post_init__(self):
         def number_in(name, lo, hi, lo_open=False, hi_text=None):
@@ -104,6 +108,8 @@ class SamplingParams:
         if b is not None and not ((_is_int(b) and b >= 1) or (isinstance(b, float) and 0 < b <= 1)):
             raise ValueError(f"kv_budget must be an int >= 1 (tokens), a float in (0, 1] (a share of the prompt) "
                              f"or None, got {b!r}")
+        if self.guided is not None and not isinstance(self.guided, Guide):
+            raise ValueError(f"guided must be a structured.Guide or None, got {type(self.guided).__name__}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
 
@@ -122,7 +128,7 @@ class SamplingParams:
     def argmax_only(self) -> bool:
         """Greedy with nothing applied to the logits first and no log-probabilities asked: the token is the argmax."""
         return (self.greedy and not self.logit_bias and not self.has_penalties and self.logprobs is None
-                and not self.min_tokens)
+                and not self.min_tokens and self.guided is None)
 
     @property
     def has_penalties(self) -> bool:

@@ -42,9 +42,9 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import chat, server_llama, webui
+from . import chat, server_llama, structured, tools as toolcalls, webui
 from .async_engine import AsyncEngine, EngineDead, Overloaded, RequestStream, StreamEvent
 from .sequence import SamplingParams
 from .server_openapi import add_request_schemas
@@ -87,6 +87,18 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Body):
     model: str | None = None
     max_tokens: int | None = None
@@ -109,6 +121,12 @@ class _Sampling(_Body):
     min_tokens: int = 0                       # vLLM's: no EOS / stop token / stop string before this many
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string stays in the text
     user: str | None = None                   # accepted and ignored, as vLLM does
+    # structured output (runtime/structured.py): OpenAI's response_format, or one of vLLM's guided_* fields
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None         # llama.cpp's GBNF or a Lark grammar
 
 
 class CompletionBody(_Sampling):
@@ -124,8 +142,32 @@ class Message(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: str
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: str
+    function: NamedFunction
+
+
 class ChatBody(_Sampling):
     messages: list[Message]
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
@@ -147,6 +189,8 @@ class LlamaCppBody(_Body):
     stream: bool = False
     ignore_eos: bool = False
     n_probs: int = 0
+    grammar: str | None = None                # GBNF
+    json_schema: dict[str, Any] | None = None
 
 
 class TokenizeBody(_Body):
@@ -509,8 +553,10 @@ class _Served:
                            param="tokens")
         return await asyncio.to_thread(self.tokenizer.decode, ids)
 
-    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Token ids of a chat: the template rendered and tokenised in a worker thread after the length cap."""
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
+                          tools: toolcalls.ToolConfig | None = None) -> list[int]:
+        """Token ids of a chat (with its tools, and earlier tool calls and results, as runtime/tools.py readies them):
+        the template rendered and tokenised in a worker thread after the length cap."""
         chars = 0
         for m in messages:
             c = m.get("content")
@@ -522,13 +568,26 @@ class _Served:
 
         def work():
             try:
-                ids = chat.encode(self.tokenizer, chat.render(self.tokenizer, messages, add_generation_prompt))
+                names = chat.template_names(self.tokenizer)
+                ready = toolcalls.prompt_messages(messages, tools, names)
+                text = chat.render(self.tokenizer, ready, add_generation_prompt,
+                                   tools.tools if tools is not None and "tools" in names else None)
+                ids = chat.encode(self.tokenizer, text)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e), param="messages") from None
             self._encode(ids)  # vocabulary and emptiness checks
             return ids
 
         return await asyncio.to_thread(work)
+
+    async def compile_guide(self, guide: structured.Guide | None, param: str | None) -> None:
+        """Compile a structured-output guide in a worker thread (cached; the engine then finds it compiled)."""
+        if guide is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.compile_guide, guide)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
 
     def max_tokens(self, requested: int | None, prompt_len: int, default: int | None) -> int:
         room = self.max_model_len - prompt_len
@@ -826,10 +885,12 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
         if body.stream and (score_only or want_prompt_lp):
             raise APIError(400, "prompt log-probabilities (echo with logprobs, prompt_logprobs) and max_tokens: 0 "
                                 "are not supported with stream: true", param="stream")
+        guide, guide_field = _guide(body)
         ids = [await served.encode(p) for p in prompts]
         max_tokens = min(served.max_tokens(1 if score_only else body.max_tokens, len(i), 16) for i in ids)
         prompt_k = max(body.prompt_logprobs or 0, (body.logprobs or 0) if body.echo else 0) if want_prompt_lp else None
-        params = _sampling_params(body, max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_k)
+        params = _sampling_params(body, max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_k, guided=guide)
+        await served.compile_guide(guide, guide_field)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await served.start(ids, params, body.priority)
         n = params.n
@@ -882,30 +943,68 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         _check_stream_options(body)
         served.check_stop(body.stop)
-        ids = await served.encode_chat([m.model_dump() for m in body.messages], body.add_generation_prompt)
+        tools = _tool_config(body)
+        (guide, guide_field), tool_guide = _guide(body), tools.guide() if tools is not None else None
+        if guide is not None and tool_guide is not None:
+            raise APIError(400, "response_format / guided_* cannot be combined with tool_choice 'required' or a "
+                                "named function (both constrain the output)", param="tool_choice")
+        ids = await served.encode_chat([m.model_dump() for m in body.messages], body.add_generation_prompt, tools)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling_params(body, served.max_tokens(requested, len(ids), None),
-                                  logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                                  logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                                  guided=guide or tool_guide)
+        await served.compile_guide(guide or tool_guide, guide_field or "tools")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await served.start([ids], params, body.priority)
+        parses = tools is not None and tools.parses
 
         if body.stream:
             head = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                     for j in range(params.n)]
-            return _sse_response(served, streams, rid, "chat.completion.chunk", cfg.model_name, body, head,
-                                 lambda _, evs: [
-                                     {"index": e.index, "delta": {"content": e.text} if e.text else {},
-                                      "logprobs": served.chat_logprobs([e]) if params.logprobs is not None else None,
-                                      "finish_reason": e.finish_reason}
-                                     for e in evs if e.text or e.finish_reason or e.logprobs])
+            parsers = {j: toolcalls.ToolCallParser() for j in range(params.n)} if parses else {}
+
+            def delta_of(e: StreamEvent):
+                p = parsers.get(e.index)
+                if p is None:
+                    return ({"content": e.text} if e.text else {}), e.finish_reason
+                content, calls = p.feed(e.text)
+                if e.finish_reason:
+                    rest, more = p.finish()
+                    content, calls = content + rest, calls + more
+                delta = {"content": content} if content else {}
+                if calls:
+                    first = len(p.calls) - len(calls)
+                    delta["tool_calls"] = [{"index": first + k, **c} for k, c in enumerate(calls)]
+                reason = "tool_calls" if e.finish_reason == "stop" and p.calls else e.finish_reason
+                return delta, reason
+
+            def choices_of(_, evs):
+                out = []
+                for e in evs:
+                    delta, reason = delta_of(e)
+                    if delta or reason or e.logprobs:
+                        out.append({"index": e.index, "delta": delta,
+                                    "logprobs": served.chat_logprobs([e]) if params.logprobs is not None else None,
+                                    "finish_reason": reason})
+                return out
+
+            return _sse_response(served, streams, rid, "chat.completion.chunk", cfg.model_name, body, head, choices_of)
 
         got = await _until_disconnect(request, _collect(served, streams, lambda _, e: e.index))
         choices = []
         for j in range(params.n):
             evs = got.get(j, [])
-            choices.append({"index": j, "message": {"role": "assistant", "content": "".join(e.text for e in evs)},
+            text = "".join(e.text for e in evs)
+            reason = next((e.finish_reason for e in evs if e.finish_reason), None)
+            message = {"role": "assistant", "content": text}
+            if parses:
+                content, calls = toolcalls.parse(text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls" if reason == "stop" else reason
+            choices.append({"index": j, "message": message,
                             "logprobs": served.chat_logprobs(evs) if params.logprobs is not None else None,
-                            "finish_reason": next((e.finish_reason for e in evs if e.finish_reason), None)})
+                            "finish_reason": reason})
         return {"id": rid, "object": "chat.completion", "created": _now(), "model": cfg.model_name,
                 "choices": choices, "usage": served.usage(streams), "timings": served.timings(streams)}
 
@@ -921,13 +1020,21 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
             raise APIError(400, f"n_predict must be -1 (until the context is full), 0 (the prompt only) or "
                                 f"more, got {body.n_predict}", param="n_predict")
         no_output = body.n_predict == 0  # the prompt is evaluated (and cached); the one token sampled is dropped
+        if body.grammar and body.json_schema is not None:
+            raise APIError(400, "give grammar or json_schema, not both", param="grammar")
+        try:
+            guide = (structured.Guide.grammar(body.grammar) if body.grammar else
+                     structured.Guide.json_schema(body.json_schema) if body.json_schema is not None else None)
+        except ValueError as e:
+            raise APIError(400, str(e), param="grammar" if body.grammar else "json_schema") from None
+        await served.compile_guide(guide, "grammar" if body.grammar else "json_schema")
         params = _params(max_tokens=served.max_tokens(None if body.n_predict < 0 else max(body.n_predict, 1),
                                                       len(ids), None),
                          temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
                          min_p=body.min_p, repetition_penalty=body.repeat_penalty,
                          presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                          seed=None if body.seed == -1 else body.seed, stop=body.stop or None,
-                         ignore_eos=body.ignore_eos, logprobs=body.n_probs or None)
+                         ignore_eos=body.ignore_eos, logprobs=body.n_probs or None, guided=guide)
         streams = await served.start([ids], params, 0)
         stream = streams[0]
         out_ids: list[int] = []
@@ -997,20 +1104,40 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
     return app
 
 
+def _guide(body: _Sampling) -> tuple[structured.Guide | None, str | None]:
+    """The structured-output guide of a request's response_format / guided_* fields and the field that gave it
+    (400 where malformed)."""
+    rf = body.response_format.model_dump(by_alias=True) if body.response_format is not None else None
+    try:
+        return structured.from_request(rf, body.guided_json, body.guided_regex, body.guided_choice,
+                                       body.guided_grammar)
+    except ValueError as e:
+        raise APIError(400, str(e), param="response_format" if rf else None) from None
+
+
+def _tool_config(body: ChatBody) -> toolcalls.ToolConfig | None:
+    try:
+        return toolcalls.ToolConfig.of([t.model_dump() for t in body.tools] if body.tools is not None else None,
+                                       body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel)
+                                       else body.tool_choice, body.parallel_tool_calls)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tools" if "tool_choice" not in str(e) else "tool_choice") from None
+
+
 def _check_stream_options(body: _Sampling) -> None:
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
 
 def _sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None,
-                     prompt_logprobs: int | None = None) -> SamplingParams:
+                     prompt_logprobs: int | None = None, guided: structured.Guide | None = None) -> SamplingParams:
     return _params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                    min_p=body.min_p, presence_penalty=body.presence_penalty,
                    frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                    seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, n=body.n,
                    ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
                    min_tokens=body.min_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
-                   prompt_logprobs=prompt_logprobs)
+                   prompt_logprobs=prompt_logprobs, guided=guided)
 
 
 # ---- entry point --------------------------------------------------------------------------------

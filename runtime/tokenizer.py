@@ -39,6 +39,22 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to the output (b"" for a control token)."""
+        return self.token_text(token_id).encode("utf-8")
+
+    def special_token_ids(self) -> list[int]:
+        """Control tokens: they never stand for text."""
+        return []
+
+    def token_name(self, token_id: int) -> str:
+        """A token's vocabulary entry (a control token's name, e.g. "</s>")."""
+        return self.token_text(token_id)
+
+    def encode_fragment(self, text: str) -> list[int]:
+        """Ids of text that continues an output: no BOS, no SentencePiece space prefix."""
+        return self.encode(text, add_special_tokens=False)
+
     def decode_continuation(self, context: list[int], new: list[int]) -> str:
         """Text that `new` adds after `context` (keeps the word-leading spaces a bare decode drops)."""
         ctx = list(context[-CONTEXT_TOKENS:])
@@ -176,6 +192,18 @@ class SPMTokenizer(Tokenizer):
 
     def token_text(self, token_id: int) -> str:
         return self._piece(int(token_id)).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._piece(int(token_id))
+
+    def special_token_ids(self) -> list[int]:
+        return [i for i, k in enumerate(self.types) if k == CONTROL]
+
+    def token_name(self, token_id: int) -> str:
+        return self.tokens[int(token_id)]
+
+    def encode_fragment(self, text: str) -> list[int]:
+        return self._tokenize(text.replace(" ", SPACE)) if text else []
 
 
 class HFTokenizer(Tokenizer):

@@ -23,9 +23,9 @@ def decode(llm, n: int = 40, replay: bool = True, prompts=(PROMPT,)):
     eng.executor.decode_program.enabled = replay and eng.model.dtype == torch.float32
     seen, launch = [], eng.sampler.launch
 
-    def record(seqs, logits):
+    def record(seqs, logits, masks=None):
         seen.append(logits.clone())
-        return launch(seqs, logits)
+        return launch(seqs, logits, masks)
 
     eng.sampler.launch = record
     rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) for p in prompts]

@@ -20,10 +20,10 @@ def recording(llm):
     """Record every sampled row of logits: {seq_id: {output position: logits}}."""
     rec, real = {}, llm.engine.sampler.launch
 
-    def launch(seqs, logits):
+    def launch(seqs, logits, masks=None):
         for s, row in zip(seqs, logits):
             rec.setdefault(s.seq_id, {})[s.num_output_tokens] = row.clone()
-        return real(seqs, logits)
+        return real(seqs, logits, masks)
 
     llm.engine.sampler.launch = launch
     return rec
