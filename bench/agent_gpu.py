@@ -30,6 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "story_agent"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_gpu import write_report  # noqa: E402
 
 VARIANTS = ("ua", "unified_masked")
 TARGETS = {"ttft_p99_vs_unified": 0.4, "total_vs_unified": 0.5}
@@ -136,24 +137,18 @@ def target_checks(rows: list[dict]) -> list[dict]:
 def report(meta: dict, out: Path) -> Path:
     stem = out / f"agent-{meta['date']}{'-smoke' if meta['smoke'] else ''}"
     meta["targets"] = target_checks(meta["rows"])
-    stem.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     cols = ["variant", "sessions", "runs", "steps", "prompt_tokens_mean", "ttft_p50_s", "ttft_p99_s",
             "step_tok_s_mean", "output_tok_s", "total_s"]
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = [f"# Story agent against uacompile serve, {meta['device']}, {meta['date']}", "",
-             f"Model: {meta['model']}. {meta['runs']} agent runs a row ({meta['steps_per_run']} steps each: outline, "
-             f"characters, scenes, revision), prompts of about {meta['prompt_tokens']} tokens, at most "
-             f"{meta['max_tokens']} tokens a step, temperature 0.8.", "", f"Command: `{meta['command']}`", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in meta["rows"]]
-    lines += ["", "## Targets", "", "| target | value | met |", "|---|---:|---|"]
-    lines += [f"| {c['target']} | {c['value']} | {'yes' if c['met'] else 'no'} |" for c in meta["targets"]]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        plot(meta, stem.with_suffix(".png"))
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
+    header = [f"# Story agent against uacompile serve, {meta['device']}, {meta['date']}", "",
+              f"Model: {meta['model']}. {meta['runs']} agent runs a row ({meta['steps_per_run']} steps each: outline, "
+              f"characters, scenes, revision), prompts of about {meta['prompt_tokens']} tokens, at most "
+              f"{meta['max_tokens']} tokens a step, temperature 0.8.", "", f"Command: `{meta['command']}`", ""]
+
+    def cell(r, c):
+        v = r.get(c)
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    write_report(stem, meta, header, cols, cell, plot)
     return stem
 
 

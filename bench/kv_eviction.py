@@ -37,6 +37,9 @@ import torch
 from uacompile.runtime import LLM, SamplingParams
 from uacompile.runtime.sequence import Sequence
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_gpu import write_report  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("andpro", "attention", "value_norm")
 BUDGETS = (0.1, 0.25, 0.5)
@@ -237,18 +240,8 @@ def write(meta: dict, stem: Path) -> None:
             "preemptions", "max_seqs_no_preemption", "output_tok_s"]
     cols = [c for c in cols if any(c in r for r in meta["rows"])]
     meta["targets"] = target_checks(meta["rows"])
-    lines = [f"# KV eviction, {meta['date']}", "", meta["setup"], "", f"Command: `{meta['command']}`", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in meta["rows"]]
-    lines += ["", "## Targets", "", "| target | value | met |", "|---|---:|---|"]
-    lines += [f"| {c['target']} | {c['value']} | {'yes' if c['met'] else 'no'} |" for c in meta["targets"]]
-    stem.with_suffix(".json").write_text(json.dumps(meta, indent=1))
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        plot(meta, stem.with_suffix(".png"))
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
+    header = [f"# KV eviction, {meta['date']}", "", meta["setup"], "", f"Command: `{meta['command']}`", ""]
+    write_report(stem, meta, header, cols, lambda r, c: str(r.get(c, "")), plot)
 
 
 def main(argv=None) -> int:
