@@ -11,6 +11,7 @@ guided request's grammar once it allows nothing more (finish reason "stop", what
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import time
 from dataclasses import dataclass, field, fields
@@ -267,7 +268,9 @@ class Engine:
         self._inflight: InFlight | None = None
         self.on_execute = None  # on_execute(batch): called before each batch runs (tests inject faults with it)
         # structured output: compiled guides and one matcher per guided sequence (llguidance loads on first use)
-        self._guides = GuideStates(Grammars(self.tokenizer, self.model.cfg.vocab_size, self.model.cfg.eos_token_ids))
+        all_cores = ec.device == "cpu" and torch.get_num_threads() >= (os.cpu_count() or 1)
+        self._guides = GuideStates(Grammars(self.tokenizer, self.model.cfg.vocab_size, self.model.cfg.eos_token_ids),
+                                   background=not all_cores)
 
     def check_eviction(self) -> None:
         """ValueError (one line) where KV eviction (a kv_budget) cannot run on this engine."""

@@ -854,6 +854,18 @@ def build_app(aengine: AsyncEngine, cfg: ServerConfig, tracer=None, trace_path=N
         return {"count": len(ids), "max_model_len": served.max_model_len, "tokens": tokens,
                 "token_strs": strs if body.return_token_strs else None}
 
+    @app.get("/tokenizer_info", dependencies=protected)
+    async def tokenizer_info():
+        """vLLM's tokenizer description: what lm-evaluation-harness's remote tokenizer reads (the special tokens'
+        text and the chat template) before it tokenises through /tokenize."""
+        tok = served.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer")
+        return {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token or None,
+                "eos_token": tok.eos_token or None, "pad_token": None, "add_bos_token": bool(tok.add_bos),
+                "chat_template": tok.chat_template or chat.FALLBACK_TEMPLATE, "model_max_length": served.max_model_len,
+                "vocab_size": tok.vocab_size}
+
     @app.post("/detokenize", dependencies=protected)
     async def detokenize(request: Request):
         body: DetokenizeBody = await served.body(request, DetokenizeBody)

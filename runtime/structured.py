@@ -8,9 +8,9 @@ a Guide once into an llguidance matcher (an LRU cache keyed by the Guide; compil
 so a server compiles off its event loop) and copies that matcher for each sequence. GuideStates keeps the
 engine's matchers, one per sequence: fill() computes the next-token bitmask of a batch's sequences (one int32 word
 per 32 tokens, bit t % 32 of word t // 32 set where token t is allowed; in a worker thread, started before the
-forward pass and joined by the sampler), advance() consumes each accepted token, release() drops a finished or
+forward pass and joined by the sampler, except on a CPU engine whose kernels take every core), advance() consumes each accepted token, release() drops a finished or
 aborted sequence's matcher. apply_token_bitmask() masks logits to -inf where a bit is clear, as torch ops on the
-logits' device.
+logits' device (numpy on the calling thread for host logits).
 
 A JSON schema is compiled with the separators ", " and ": " and no other whitespace: a small model cannot run on
 in blank space, and the text reads as json.dumps writes it.
@@ -24,6 +24,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 log = logging.getLogger("uacompile.runtime.structured")
@@ -233,12 +234,24 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     """logits [N, V] with -inf where the bitmask [N, ceil(V / 32)] int32 (on the logits' device) has the token's bit
     clear: the bits unpacked by one shift-and, applied by one masked_fill."""
     dev = logits.device
+    if dev.type == "cpu":
+        return _apply_token_bitmask_host(logits, bitmask)
     shifts = _SHIFTS.get(dev)
     if shifts is None:
         shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
     N, V = logits.shape
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(N, -1)[:, :V]
     return logits.masked_fill(allowed == 0, float("-inf"))
+
+
+def _apply_token_bitmask_host(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """apply_token_bitmask on the CPU, in numpy on the calling thread: torch would split these vocabulary-wide
+    elementwise ops over its OpenMP pool, whose threads then spin on the cores the next step's kernels need."""
+    N, V = logits.shape
+    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")[:, :V]
+    out = logits.contiguous().numpy().copy()
+    out[bits == 0] = -np.inf
+    return torch.from_numpy(out)
 
 
 @dataclass
@@ -272,8 +285,10 @@ class MaskJob:
 class GuideStates:
     """The engine's matchers, one per guided sequence (seq_id -> llguidance matcher)."""
 
-    def __init__(self, grammars: Grammars):
-        self.grammars = grammars
+    def __init__(self, grammars: Grammars, background: bool = True):
+        """background: fill() computes in a worker thread while the step runs; False computes on the calling
+        thread (a CPU engine whose kernels take every core: a worker beside them stalls their parallel launches)."""
+        self.grammars, self.background = grammars, background
         self.matchers: dict[int, object] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._executor = None  # llguidance's parallel mask filler, for batches of several guided sequences
@@ -298,6 +313,9 @@ class GuideStates:
         if not ms:
             return None
         host = torch.empty(len(ms), mask_words(self.grammars.vocab_size), dtype=torch.int32)
+        if not self.background:
+            self._fill(ms, host)
+            return MaskJob(rows, host, None)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="uacompile-grammar")
         return MaskJob(rows, host, self._pool.submit(self._fill, ms, host))
