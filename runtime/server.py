@@ -127,6 +127,8 @@ class _Sampling(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None         # llama.cpp's GBNF or a Lark grammar
+    # KV eviction (SamplingParams.kv_budget): cached tokens kept (an int) or a share of the prompt (a float in (0, 1])
+    kv_budget: int | float | None = None
 
 
 class CompletionBody(_Sampling):
@@ -291,6 +293,8 @@ class ServerMetrics:
         yield counter("uacompile:offload_pages_not_ready", "Tier lookups stopped at a copy not finished (recomputed)",
                       s["offload_pages_not_ready"])
         yield gauge("uacompile:offload_pages_used", "CPU offload tier pages holding KV", s["offload_pages_used"])
+        yield counter("uacompile:kv_evictions", "KV evictions to a sequence's kv_budget", s["num_evictions"])
+        yield counter("uacompile:kv_evicted_tokens", "Cached tokens dropped by KV eviction", s["evicted_tokens"])
         yield counter("uacompile:kv_compactions", "KV-cache compactions", s["num_compactions"])
         yield gauge("uacompile:kv_fragmentation", "1 - live pages / (highest live page + 1)", s["fragmentation"])
         yield counter("vllm:prompt_tokens", "Prompt tokens admitted", c["prompt_tokens"])
@@ -1149,7 +1153,7 @@ def _sampling_params(body: _Sampling, max_tokens: int, logprobs: int | None,
                    seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, n=body.n,
                    ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
                    min_tokens=body.min_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
-                   prompt_logprobs=prompt_logprobs, guided=guided)
+                   prompt_logprobs=prompt_logprobs, guided=guided, kv_budget=body.kv_budget)
 
 
 # ---- entry point --------------------------------------------------------------------------------

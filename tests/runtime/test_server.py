@@ -830,6 +830,28 @@ def test_min_tokens_bad_values(server, body, needle):
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
+# ---- KV eviction per request --------------------------------------------------------------------
+def test_kv_budget_per_request_evicts_and_frees_its_pages(server):
+    """A request's kv_budget (SamplingParams.kv_budget) evicts its cache to the budget after the prompt: the output
+    comes back whole and the pages are freed; a budget over the prompt leaves it the offline greedy text."""
+    prompt = " ".join(PROMPTS * 4)
+    full = completion(server, **greedy(prompt)).json()["choices"][0]["text"]
+    assert completion(server, **greedy(prompt, kv_budget=10_000)).json()["choices"][0]["text"] == full
+    evictions, dropped = metric(server, "uacompile:kv_evictions_total"), metric(server, "uacompile:kv_evicted_tokens_total")
+    r = completion(server, **greedy(prompt, kv_budget=0.25))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    n = r.json()["usage"]["prompt_tokens"]
+    assert metric(server, "uacompile:kv_evictions_total") >= evictions + 1
+    assert metric(server, "uacompile:kv_evicted_tokens_total") - dropped >= n - n // 4 - MAX_TOKENS
+    assert wait_for(lambda: httpx.get(server + "/health").json()["kv_pages_in_use"] == 0)
+
+
+@pytest.mark.parametrize("budget", [0, -3, 1.5, "0.5", True])
+def test_a_bad_kv_budget_is_a_400_naming_it(server, budget):
+    r = completion(server, **greedy("Once upon a time", kv_budget=budget))
+    assert r.status_code == 400 and "kv_budget" in r.json()["error"]["message"], r.text
+
+
 # ---- fields the server does not implement -------------------------------------------------------
 UNSUPPORTED = [("/v1/completions", f) for f in ("best_of", "suffix", "no_such_field")] + \
     [("/v1/chat/completions", f) for f in ("functions", "function_call", "no_such_field")] + \
