@@ -269,8 +269,31 @@ def as_kernel(x) -> Kernel:
     return x if isinstance(x, Kernel) else Kernel(x)
 
 
+class _AttentionHeads(OpSpec):
+    """What attention and the scores over its cache share: the head layout (q heads in groups over the KV heads),
+    the page size and the softmax scale. Subclasses have the fields num_q_heads, num_kv_heads, head_dim,
+    page_size and scale."""
+
+    def _check_heads(self) -> None:
+        _check_positive(self, "num_q_heads", "num_kv_heads", "head_dim", "page_size")
+        if self.num_q_heads % self.num_kv_heads:
+            raise IRError(f"{self.kind}.num_q_heads",
+                          f"must be a multiple of num_kv_heads ({self.num_q_heads} % {self.num_kv_heads} != 0)")
+        _check_pow2(self, "page_size", 1, 256)
+        if self.scale is not None and not (self.scale > 0 and math.isfinite(self.scale)):
+            raise IRError(f"{self.kind}.scale", f"must be finite and > 0, got {self.scale!r}")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def sm_scale(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+
 @dataclass(frozen=True)
-class PagedAttention(OpSpec):
+class PagedAttention(_AttentionHeads):
     """UA paged attention (see DESIGN.md). One launch for any mix of prefill and decode.
 
     The op is the math: out[t] (and lse[t] with return_lse) attends token t's query to positions
@@ -306,11 +329,7 @@ class PagedAttention(OpSpec):
     variant: str = "ua"  # ua | unified_masked
 
     def __post_init__(self):
-        _check_positive(self, "num_q_heads", "num_kv_heads", "head_dim", "page_size")
-        if self.num_q_heads % self.num_kv_heads:
-            raise IRError(f"{self.kind}.num_q_heads",
-                          f"must be a multiple of num_kv_heads ({self.num_q_heads} % {self.num_kv_heads} != 0)")
-        _check_pow2(self, "page_size", 1, 256)
+        self._check_heads()
         _check_choice(self, "q_dtype", FLOAT_DTYPES)
         _check_choice(self, "kv_dtype", KV_DTYPES)
         _check_choice(self, "variant", ("ua", "unified_masked"))
@@ -321,19 +340,9 @@ class PagedAttention(OpSpec):
             raise IRError(f"{self.kind}.window", f"must be an int >= 0 (0 = off), got {self.window!r}")
         if not (self.softcap >= 0 and math.isfinite(self.softcap)):
             raise IRError(f"{self.kind}.softcap", f"must be finite and >= 0 (0 = off), got {self.softcap!r}")
-        if self.scale is not None and not (self.scale > 0 and math.isfinite(self.scale)):
-            raise IRError(f"{self.kind}.scale", f"must be finite and > 0, got {self.scale!r}")
         for name in ("alibi", "return_lse"):
             if not isinstance(getattr(self, name), bool):
                 raise IRError(f"{self.kind}.{name}", f"must be a bool, got {getattr(self, name)!r}")
-
-    @property
-    def group_size(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def sm_scale(self) -> float:
-        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     def params(self, num_splits: int = 1, fused_merge: bool = False, item_queue: bool = False) -> list[TensorSpec]:
         """The kernel parameters; the three arguments are the run config's fields that change them (Kernel)."""
@@ -498,7 +507,7 @@ SCORE_METHODS = ("andpro", "attention", "value_norm")
 
 
 @dataclass(frozen=True)
-class KVScore(OpSpec):
+class KVScore(_AttentionHeads):
     """Importance of each cached token for KV eviction, per sequence and KV head, from an observation window of
     queries (SnapKV's window; the runtime passes a sequence's last W queries).
 
@@ -526,27 +535,13 @@ class KVScore(OpSpec):
     method: str = "andpro"
 
     def __post_init__(self):
-        _check_positive(self, "num_q_heads", "num_kv_heads", "head_dim", "page_size")
-        if self.num_q_heads % self.num_kv_heads:
-            raise IRError(f"{self.kind}.num_q_heads",
-                          f"must be a multiple of num_kv_heads ({self.num_q_heads} % {self.num_kv_heads} != 0)")
-        _check_pow2(self, "page_size", 1, 256)
+        self._check_heads()
         _check_choice(self, "q_dtype", FLOAT_DTYPES)
         _check_choice(self, "kv_dtype", FLOAT_DTYPES)
         _check_choice(self, "method", SCORE_METHODS)
         if self.kv_dtype != self.q_dtype and self.kv_dtype != "fp32":
             raise IRError(f"{self.kind}.kv_dtype",
                           f"must match q_dtype ({self.q_dtype}) or be fp32, got {self.kv_dtype}")
-        if self.scale is not None and not (self.scale > 0 and math.isfinite(self.scale)):
-            raise IRError(f"{self.kind}.scale", f"must be finite and > 0, got {self.scale!r}")
-
-    @property
-    def group_size(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def sm_scale(self) -> float:
-        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     def params(self) -> list[TensorSpec]:
         Hq, Hkv, D, P = self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size
