@@ -270,7 +270,7 @@ class Engine:
         # structured output: compiled guides and one matcher per guided sequence (llguidance loads on first use)
         all_cores = ec.device == "cpu" and torch.get_num_threads() >= (os.cpu_count() or 1)
         self._guides = GuideStates(Grammars(self.tokenizer, self.model.cfg.vocab_size, self.model.cfg.eos_token_ids),
-                                   background=not all_cores)
+                                   background=not all_cores, pinned=ec.device == "cuda")
 
     def check_eviction(self) -> None:
         """ValueError (one line) where KV eviction (a kv_budget) cannot run on this engine."""

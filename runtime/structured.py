@@ -270,25 +270,31 @@ class MaskJob:
 
     def for_batch(self, seqs, device) -> torch.Tensor | None:
         """The bitmask of seqs in order (every token allowed for a sequence without a guide), on device; None when
-        none of them has a guide."""
+        none of them has a guide. A batch of the guided sequences alone, in fill()'s order, copies host as it is
+        (pinned by GuideStates for a GPU: an asynchronous copy)."""
         host = self.wait()
-        if not any(s.seq_id in self.rows for s in seqs):
+        rows = [self.rows.get(s.seq_id, -1) for s in seqs]
+        if max(rows) < 0:
             return None
-        idx = torch.tensor([self.rows.get(s.seq_id, len(self.rows)) for s in seqs], dtype=torch.int64)
-        full = torch.cat([host, torch.full((1, host.shape[1]), -1, dtype=torch.int32)])
-        out = full.index_select(0, idx)
-        if torch.device(device).type == "cuda":
-            out = out.pin_memory().to(device, non_blocking=True)
-        return out
+        cuda = torch.device(device).type == "cuda"
+        if rows == list(range(host.shape[0])):
+            return host.to(device, non_blocking=True) if cuda else host
+        full = torch.cat([host, torch.full((1, host.shape[1]), -1, dtype=torch.int32)])  # the last: all allowed
+        out = full.index_select(0, torch.tensor([r if r >= 0 else host.shape[0] for r in rows], dtype=torch.int64))
+        return out.to(device) if cuda else out
 
 
 class GuideStates:
     """The engine's matchers, one per guided sequence (seq_id -> llguidance matcher)."""
 
-    def __init__(self, grammars: Grammars, background: bool = True):
+    def __init__(self, grammars: Grammars, background: bool = True, pinned: bool = False):
         """background: fill() computes in a worker thread while the step runs; False computes on the calling
-        thread (a CPU engine whose kernels take every core: a worker beside them stalls their parallel launches)."""
-        self.grammars, self.background = grammars, background
+        thread (a CPU engine whose kernels take every core: a worker beside them stalls their parallel launches).
+        pinned: the masks go to a GPU, so fill() writes them into page-locked buffers, two used in turn (a step's
+        copy has finished before the step after next fills its buffer: guided steps are not overlapped)."""
+        self.grammars, self.background, self.pinned = grammars, background, pinned
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
         self.matchers: dict[int, object] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._executor = None  # llguidance's parallel mask filler, for batches of several guided sequences
@@ -312,13 +318,23 @@ class GuideStates:
                 ms.append(m)
         if not ms:
             return None
-        host = torch.empty(len(ms), mask_words(self.grammars.vocab_size), dtype=torch.int32)
+        host = self._host(len(ms))
         if not self.background:
             self._fill(ms, host)
             return MaskJob(rows, host, None)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="uacompile-grammar")
         return MaskJob(rows, host, self._pool.submit(self._fill, ms, host))
+
+    def _host(self, n: int) -> torch.Tensor:
+        words = mask_words(self.grammars.vocab_size)
+        if not self.pinned:
+            return torch.empty(n, words, dtype=torch.int32)
+        self._turn ^= 1
+        buf = self._buffers[self._turn]
+        if buf is None or buf.shape[0] < n:
+            buf = self._buffers[self._turn] = torch.empty(max(n, 8), words, dtype=torch.int32, pin_memory=True)
+        return buf[:n]
 
     def _fill(self, ms: list, host: torch.Tensor) -> None:
         row_bytes = host.shape[1] * 4

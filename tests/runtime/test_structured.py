@@ -200,10 +200,13 @@ def test_cuda_bitmask_and_guided_sampling_equal_the_cpu():
     seqs = [Sequence(i, [1], 1, SamplingParams(temperature=0, guided=Guide.choice(["cat", "dog"]))) for i in range(2)]
     x = torch.randn(2, lm.config.vocab_size, generator=g)
     got = []
-    for dev in ("cpu", "cuda"):
-        states = GuideStates(grammars)
+    for dev, pinned in (("cpu", False), ("cuda", False), ("cuda", True)):
+        states = GuideStates(grammars, pinned=pinned)
         for s in seqs:
             states.add(s.seq_id, s.params.guided)
-        got.append(Sampler().sample(seqs, x.to(dev), states.fill(seqs)).tokens)
+        for batch in (seqs, seqs[::-1], seqs[:1], seqs):  # in fill's order, reordered, a part, the buffers' turn
+            got.append((dev, pinned, [s.seq_id for s in batch],
+                        Sampler().sample(batch, x[[s.seq_id for s in batch]].to(dev), states.fill(seqs)).tokens))
         states.close()
-    assert got[0] == got[1]
+    want = {tuple(ids): tokens for dev, _, ids, tokens in got if dev == "cpu"}
+    assert all(tokens == want[tuple(ids)] for _, _, ids, tokens in got), got
