@@ -19,12 +19,13 @@ import json
 import os
 import random
 import re
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_probe import start  # noqa: E402
 
 COUNTRIES = (
     ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Portugal", "Lisbon"),
@@ -103,33 +104,6 @@ def evaluate(url: str, task: str, folder: Path, limit: int | None = None, num_co
                                    task_manager=TaskManager(), verbosity="WARNING")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: str, threads: int) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "uacompile.cli", "serve", "--model", model, "--port", str(port),
-                             "--cpu-threads", str(threads), "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not start in 300 s")
-
-
 def scores(results: dict, task: str) -> dict:
     """The task's metrics without lm-eval's ',filter' suffixes: {"acc": ..., "acc_stderr": ...}."""
     out = {}
@@ -149,7 +123,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from uacompile.models import smollm2_path
 
-    proc, url = start_server(str(smollm2_path()), args.threads)
+    proc, url = start([], smollm2_path(), args.threads, timeout=300)
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -37,15 +37,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start(extra: list[str], model: Path = MODEL, threads: int = 1, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """`uacompile serve` on model in a child process (warnings only), once /health answers: (process, base URL)."""
     import httpx
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "uacompile.cli", "serve", "--model", str(MODEL), "--port", str(port),
-                             "--cpu-threads", "1", "--log-level", "warning", *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "uacompile.cli", "serve", "--model", str(model), "--port", str(port),
+                             "--cpu-threads", str(threads), "--log-level", "warning", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}")
@@ -55,7 +56,7 @@ def start(extra: list[str]) -> tuple[subprocess.Popen, str]:
         except httpx.TransportError:
             time.sleep(0.1)
     proc.kill()
-    raise RuntimeError("the server did not start in 120 s")
+    raise RuntimeError(f"the server did not start in {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:

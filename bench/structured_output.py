@@ -9,7 +9,8 @@ SmolLM2-135M-Instruct (vocabulary 49,152) by default. Each row decodes --tokens 
 once, greedy, EOS ignored, in three modes: free (no guide), json_schema (an object holding an array of at least 64
 short strings, so the grammar cannot finish within the tokens) and regex (at least 48 lower-case words). Decode tok/s:
 the tokens after each sequence's first over the time from the last first token to the end; the median of --repeats
-runs after a warm-up run. Target: a guided row's tok/s >= 90% of the free row's at the same batch size.
+runs after a warm-up run; step_ms: the batch's decode step (batch / tok/s); mask_ms: the grammar engine alone,
+computing the batch's masks along the run's outputs. Target: a guided row's tok/s >= 90% of the free row's at the same batch size.
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def guide(mode: str):
     return {"free": None, "json_schema": Guide.json_schema(SCHEMA), "regex": Guide.regex(REGEX)}[mode]
 
 
-def run_once(engine, prompts: list[list[int]], mode: str, tokens: int) -> tuple[float, int]:
-    """(decode tok/s, tokens decoded after the first ones) of one batch."""
+def run_once(engine, prompts: list[list[int]], mode: str, tokens: int) -> tuple[float, list[list[int]]]:
+    """(decode tok/s, the sequences' output token ids) of one batch."""
     from uacompile.runtime.sequence import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, guided=guide(mode))
@@ -56,15 +57,37 @@ def run_once(engine, prompts: list[list[int]], mode: str, tokens: int) -> tuple[
             if rid not in firsts and engine.output(rid).outputs[0].token_ids:
                 firsts[rid] = now
     end = time.perf_counter()
-    counts = [len(engine.output(rid).outputs[0].token_ids) for rid in rids]
+    outputs = [list(engine.output(rid).outputs[0].token_ids) for rid in rids]
     texts = [engine.output(rid).outputs[0].text for rid in rids]
     for rid in rids:
         engine.release(rid)
     if mode == "json_schema":
         for t in texts:
             assert t.startswith('{"names": ["'), t[:80]
-    n = sum(c - 1 for c in counts)
-    return n / (end - max(firsts.values())), n
+    n = sum(len(o) - 1 for o in outputs)
+    return n / (end - max(firsts.values())), outputs
+
+
+def mask_ms(llm, mode: str, outputs: list[list[int]]) -> float:
+    """The grammar engine alone: ms a step to compute the batch's next-token masks (GuideStates.fill, on this
+    thread) along the outputs a run produced."""
+    from types import SimpleNamespace
+
+    from uacompile.runtime.structured import Grammars, GuideStates
+
+    cfg = llm.engine.model.cfg
+    states = GuideStates(Grammars(llm.tokenizer, cfg.vocab_size, cfg.eos_token_ids), background=False)
+    seqs = [SimpleNamespace(seq_id=i) for i in range(len(outputs))]
+    for s in seqs:
+        states.add(s.seq_id, guide(mode))
+    steps, total = min(len(o) for o in outputs), 0.0
+    for j in range(steps):
+        t0 = time.perf_counter()
+        states.fill(seqs).wait()
+        total += time.perf_counter() - t0
+        for s, o in zip(seqs, outputs):
+            states.advance(s.seq_id, o[j])
+    return 1000 * total / steps
 
 
 def measure(args) -> list[dict]:
@@ -81,11 +104,13 @@ def measure(args) -> list[dict]:
         for mode in ("free", "json_schema", "regex"):
             rates = []
             for rep in range(args.repeats + 1):
-                rate, n = run_once(llm.engine, prompts, mode, args.tokens)
+                rate, outputs = run_once(llm.engine, prompts, mode, args.tokens)
                 if rep:
                     rates.append(rate)
+            rate = statistics.median(rates)
             rows.append({"device": args.device, "batch": batch, "mode": mode, "tokens": args.tokens,
-                         "decode_tok_s": round(statistics.median(rates), 2),
+                         "decode_tok_s": round(rate, 2), "step_ms": round(1000 * batch / rate, 3),
+                         "mask_ms": round(mask_ms(llm, mode, outputs), 3) if mode != "free" else 0.0,
                          "decode_tok_s_runs": [round(r, 2) for r in rates]})
             print(json.dumps(rows[-1]), flush=True)
     for r in rows:
@@ -150,7 +175,7 @@ def main(argv=None) -> int:
     header = [f"# Structured output: guided against free decode ({date}, {name})", "",
               f"Command: `{command}`", "", (__doc__ or "").split("\n\n")[2].replace("\n", " "), "",
               f"1-minute load average at start / end: {meta['load_avg_1min'][0]} / {meta['load_avg_1min'][1]}.", ""]
-    cols = ["batch", "mode", "tokens", "decode_tok_s", "vs_free", "decode_tok_s_runs"]
+    cols = ["batch", "mode", "tokens", "decode_tok_s", "vs_free", "step_ms", "mask_ms", "decode_tok_s_runs"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_report(args.out, meta, header, cols, lambda r, c: str(r[c]), plot)
     return 0
