@@ -139,6 +139,18 @@ def size(name: str, dtype: str = "int64") -> TensorSpec:
     return TensorSpec(name, dtype, ())
 
 
+def _check_freq_factors(op) -> None:
+    """RoPE's per-frequency factors (Llama 3's rope scaling): a tuple of head_dim / 2 finite numbers > 0, or empty."""
+    try:
+        object.__setattr__(op, "freq_factors", tuple(float(f) for f in op.freq_factors))
+    except (TypeError, ValueError):
+        raise IRError(f"{op.kind}.freq_factors", f"must be a sequence of numbers, got {op.freq_factors!r}") from None
+    if op.freq_factors and (len(op.freq_factors) != op.head_dim // 2
+                            or not all(f > 0 and math.isfinite(f) for f in op.freq_factors)):
+        raise IRError(f"{op.kind}.freq_factors",
+                      f"must be empty or head_dim / 2 = {op.head_dim // 2} finite numbers > 0, got {op.freq_factors!r}")
+
+
 def _check_positive(op, *names):
     for n in names:
         v = getattr(op, n)
@@ -663,14 +675,7 @@ class Rope(OpSpec):
 
     def __post_init__(self):
         _check_positive(self, "num_heads", "head_dim")
-        try:
-            object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))
-        except (TypeError, ValueError):
-            raise IRError(f"{self.kind}.freq_factors", f"must be a sequence of numbers, got {self.freq_factors!r}") from None
-        if self.freq_factors and (len(self.freq_factors) != self.head_dim // 2
-                                  or not all(f > 0 and math.isfinite(f) for f in self.freq_factors)):
-            raise IRError(f"{self.kind}.freq_factors",
-                          f"must be empty or head_dim / 2 = {self.head_dim // 2} finite numbers > 0, got {self.freq_factors!r}")
+        _check_freq_factors(self)
         _check_choice(self, "dtype", FLOAT_DTYPES)
         if self.head_dim % 2:
             raise IRError(f"{self.kind}.head_dim", f"must be even, got {self.head_dim}")
@@ -728,14 +733,7 @@ class QKVRopeCache(OpSpec):
             raise IRError(f"{self.kind}.eps", f"must be finite and > 0, got {self.eps!r}")
         if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise IRError(f"{self.kind}.rope_theta", f"must be finite and > 0, got {self.rope_theta!r}")
-        try:
-            object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))
-        except (TypeError, ValueError):
-            raise IRError(f"{self.kind}.freq_factors", f"must be a sequence of numbers, got {self.freq_factors!r}") from None
-        if self.freq_factors and (len(self.freq_factors) != self.head_dim // 2
-                                  or not all(f > 0 and math.isfinite(f) for f in self.freq_factors)):
-            raise IRError(f"{self.kind}.freq_factors",
-                          f"must be empty or head_dim / 2 = {self.head_dim // 2} finite numbers > 0, got {self.freq_factors!r}")
+        _check_freq_factors(self)
 
     def params(self) -> list[TensorSpec]:
         Hq, Hkv, D, P = self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size

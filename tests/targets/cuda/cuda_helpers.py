@@ -73,3 +73,17 @@ def to_torch(a, device="cuda", pinned=False):
     if device == "cpu":
         return t.pin_memory() if pinned else t.clone()
     return t.to(device)
+
+
+def assert_renders_with_launcher(ops) -> None:
+    """Each op's rendered source exports the IR's C launcher, keeps its kernels in the op's namespace and leaves no
+    Jinja behind."""
+    import re
+
+    from uacompile.targets.cuda.render import render_op
+
+    for op in ops:
+        src = render_op(op)
+        assert f'extern "C" {ir.c_signature(op)}' in src, op
+        assert re.search(r"namespace\s+" + op.symbol() + "_impl", src), f"{op}: kernels must live in the op's namespace"
+        assert "{{" not in src and "{%" not in src, op

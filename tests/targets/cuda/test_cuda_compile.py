@@ -13,6 +13,8 @@ from uacompile import ir
 from uacompile.targets.cuda import layout, plan
 from uacompile.targets.cuda.config import AttentionConfig, ReshapeConfig
 
+from cuda_helpers import assert_renders_with_launcher
+
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
 R, C, S, M = ir.ReshapeAndCache, ir.CopyBlocks, ir.SwapBlocks, ir.MergeState
@@ -85,13 +87,7 @@ def kind(request):
 
 
 def test_render_has_the_ir_launcher(kind):
-    from uacompile.targets.cuda.render import render_op
-
-    for op in _variants(kind):
-        src = render_op(op)
-        assert f'extern "C" {ir.c_signature(op)}' in src, op
-        assert re.search(r"namespace\s+" + op.symbol() + "_impl", src), "kernels must live in the op's namespace"
-        assert "{{" not in src and "{%" not in src
+    assert_renders_with_launcher(_variants(kind))
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

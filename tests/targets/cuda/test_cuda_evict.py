@@ -2,14 +2,13 @@
 with the IR launcher and compile with nvcc for sm_80 and sm_90, with no register spills."""
 from __future__ import annotations
 
-import re
 import shutil
 
 import pytest
 
 from uacompile import ir
 
-from cuda_helpers import spill_stores
+from cuda_helpers import assert_renders_with_launcher, spill_stores
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
@@ -20,13 +19,7 @@ EVICT_VARIANTS = [ir.KVScore(32, 8, 128, 16, "bf16", "bf16", method=m) for m in 
 
 
 def test_render_has_the_ir_launcher():
-    from uacompile.targets.cuda.render import render_op
-
-    for op in EVICT_VARIANTS:
-        src = render_op(op)
-        assert f'extern "C" {ir.c_signature(op)}' in src, op
-        assert re.search(r"namespace\s+" + op.symbol() + "_impl", src)
-        assert "{{" not in src and "{%" not in src
+    assert_renders_with_launcher(EVICT_VARIANTS)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

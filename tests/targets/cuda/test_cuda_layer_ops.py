@@ -10,7 +10,7 @@ import pytest
 
 from uacompile import ir
 
-from cuda_helpers import spill_stores
+from cuda_helpers import assert_renders_with_launcher, spill_stores
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
@@ -34,13 +34,7 @@ LAYER_OP_VARIANTS = [
 
 
 def test_render_has_the_ir_launcher():
-    from uacompile.targets.cuda.render import render_op
-
-    for op in LAYER_OP_VARIANTS:
-        src = render_op(op)
-        assert f'extern "C" {ir.c_signature(op)}' in src, op
-        assert re.search(r"namespace\s+" + op.symbol() + "_impl", src)
-        assert "{{" not in src and "{%" not in src
+    assert_renders_with_launcher(LAYER_OP_VARIANTS)
 
 
 def test_rope_template_holds_the_reference_frequencies():

@@ -12,6 +12,8 @@ import pytest
 
 from uacompile import ir
 
+from cuda_helpers import assert_renders_with_launcher
+
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
 Q, D = ir.QuantMatmul, ir.Dequantize
@@ -24,13 +26,7 @@ EVERY = [Q(4096, 4096, f, d) for f in FORMATS for d in ir.FLOAT_DTYPES] + [D(409
 
 
 def test_render_has_the_ir_launcher():
-    from uacompile.targets.cuda.render import render_op
-
-    for op in EVERY + SMALL:
-        src = render_op(op)
-        assert f'extern "C" {ir.c_signature(op)}' in src, op
-        assert re.search(r"namespace\s+" + op.symbol() + "_impl", src)
-        assert "{{" not in src and "{%" not in src
+    assert_renders_with_launcher(EVERY + SMALL)
 
 
 def test_config_picks_the_tiles():

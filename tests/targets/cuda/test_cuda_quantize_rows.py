@@ -3,7 +3,6 @@ IR launcher, compiles with nvcc for sm_80 and sm_90 without spills; the op check
 its arguments before any device work; the reference is the KV caches' quantiser row by row."""
 from __future__ import annotations
 
-import re
 import shutil
 
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 
 from uacompile import IRError, ir, reference
 
-from cuda_helpers import spill_stores
+from cuda_helpers import assert_renders_with_launcher, spill_stores
 
 Q = ir.QuantizeRows
 # Qwen3-8B's projection inputs (hidden 4096, intermediate 12288), a one-vector row, an odd width (1-element vectors)
@@ -45,12 +44,7 @@ def test_reference_is_the_kv_quantiser_a_row_at_a_time(rng):
 
 
 def test_render_has_the_ir_launcher():
-    from uacompile.targets.cuda.render import render_op
-
-    for op in VARIANTS:
-        src = render_op(op)
-        assert f'extern "C" {ir.c_signature(op)}' in src and re.search(r"namespace\s+" + op.symbol() + "_impl", src)
-        assert "{{" not in src and "{%" not in src
+    assert_renders_with_launcher(VARIANTS)
 
 
 @nvcc
