@@ -362,10 +362,7 @@ class Scheduler:
                     continue  # its shared prefix is being computed: join next step and hit the cache
                 # a request for prompt log-probabilities computes its whole prompt: no cached prefix
                 prefix = kv.match_prefix(seq) if seq.params.prompt_logprobs is None else []
-                reuse = self._reusable_pages(seq)
-                prefix = prefix[:reuse]
-                from_tier = self._tier_match(seq, len(prefix))[:reuse - len(prefix)] \
-                    if seq.params.prompt_logprobs is None else []
+                from_tier = self._tier_match(seq, len(prefix)) if seq.params.prompt_logprobs is None else []
                 if from_tier:  # the prefix continues in the offload tier: restore it, compute nothing yet
                     if kv.allocate_slots(seq, len(from_tier) * c.page_size, prefix) is None:
                         break
@@ -399,16 +396,6 @@ class Scheduler:
                 self._restored(self.tier.wait_oldest(kv))
                 return self.schedule()
         return batch
-
-    def _reusable_pages(self, seq: Sequence) -> int:
-        """How many of seq's leading pages may come from a cache (the GPU prefix cache, the offload tier): all,
-        except for a prompt that will be evicted to its budget when it ends, whose last kv_window tokens are
-        computed so that their queries (the observation window) score the cache."""
-        c = self.config
-        b = seq.params.budget_tokens(seq.num_prompt_tokens, c.kv_budget)
-        if b is None or b < c.kv_sink + c.kv_recent or seq.num_prompt_tokens <= b:
-            return seq.num_tokens // c.page_size + 1
-        return max(0, seq.num_prompt_tokens - c.kv_window) // c.page_size
 
     def _eviction_budget(self, seq: Sequence, num_new: int) -> int | None:
         """The tokens seq keeps if this step's chunk should score its cache, else None: the chunk reaches the end

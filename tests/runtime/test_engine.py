@@ -326,28 +326,6 @@ def test_kv_budget_methods_run_and_a_budget_over_the_prompt_changes_nothing(meth
     assert len(cut.outputs[0].token_ids) == 12 and llm.engine.scheduler.num_evictions >= 1
 
 
-def test_a_prompt_to_evict_computes_its_observation_window_past_a_cached_prefix():
-    """A prompt whose pages are in the prefix cache computes only its last page again, but one that will be
-    evicted to its budget at its end computes at least its last kv_window tokens: their queries score the cache,
-    so its eviction does not depend on what the cache held."""
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    llm = LLM(STORIES260K, progress=False, page_size=8, kv_sink=2, kv_recent=4, kv_window=20)
-    ids = list(range(3, 203))
-    llm.generate([ids], params)
-    kv = llm.engine.scheduler.kv
-
-    def hit(p):
-        before = kv.prefix_hit_tokens
-        out = llm.generate([ids], p)[0]
-        return kv.prefix_hit_tokens - before, out.outputs[0].token_ids
-
-    assert hit(params)[0] == 192  # every full page but the one holding the last token
-    evicted_hit, evicted = hit(replace(params, kv_budget=0.25))
-    assert evicted_hit == 176  # the 20-token window needs the last 24 positions: pages 22 .. 24
-    fresh = LLM(STORIES260K, progress=False, page_size=8, kv_sink=2, kv_recent=4, kv_window=20)
-    assert fresh.generate([ids], replace(params, kv_budget=0.25))[0].outputs[0].token_ids == evicted
-
-
 def test_kv_budget_needs_a_float_cache():
     from uacompile.runtime.engine import Engine, EngineConfig
 
