@@ -11,8 +11,8 @@ guided request's grammar once it allows nothing more (finish reason "stop", what
 from __future__ import annotations
 
 import itertools
-import os
 import logging
+import os
 import time
 from dataclasses import dataclass, field, fields
 

@@ -8,9 +8,9 @@ a Guide once into an llguidance matcher (an LRU cache keyed by the Guide; compil
 so a server compiles off its event loop) and copies that matcher for each sequence. GuideStates keeps the
 engine's matchers, one per sequence: fill() computes the next-token bitmask of a batch's sequences (one int32 word
 per 32 tokens, bit t % 32 of word t // 32 set where token t is allowed; in a worker thread, started before the
-forward pass and joined by the sampler, except on a CPU engine whose kernels take every core), advance() consumes each accepted token, release() drops a finished or
-aborted sequence's matcher. apply_token_bitmask() masks logits to -inf where a bit is clear, as torch ops on the
-logits' device (numpy on the calling thread for host logits).
+forward pass and joined by the sampler, except on a CPU engine whose kernels take every core), advance() consumes
+each accepted token, release() drops a finished or aborted sequence's matcher. apply_token_bitmask() masks logits
+to -inf where a bit is clear, as torch ops on the logits' device (numpy on the calling thread for host logits).
 
 A JSON schema is compiled with the separators ", " and ": " and no other whitespace: a small model cannot run on
 in blank space, and the text reads as json.dumps writes it.
